@@ -1,0 +1,1 @@
+"""workbench: EAGLE-3 speculative decoding with an MLA draft, made visible."""

@@ -1,0 +1,165 @@
+"""The EAGLE-3 draft with an MLA layer (vLLM's `Eagle3DeepseekV2ForCausalLM`), or MHA to compare.
+
+What EAGLE-3 changes against a verifier layer (eagle3_mla.md §3):
+- `fc` fuses the verifier's three aux states [h_lo | h_mid | h_hi] (3H -> H), once per
+  verified token, before the first draft pass; later steps feed back the draft's own state.
+- the single decoder layer takes a 2H input `[input_layernorm(embed) | hidden_norm(h)]`
+  (embedding first) into q_a_proj and kv_a_proj_with_mqa (or q/k/v_proj for MHA);
+  the residual is h itself; the MLP is dense SwiGLU.
+- it returns the post-norm state (for logits) and the pre-norm residual sum h + a + y, which
+  is what vLLM feeds back (`norm_output` feeds back the post-norm state: EAGLE-3.1).
+- embedding and lm_head are the verifier's unless the checkpoint ships its own; a reduced
+  draft vocabulary maps back through `d2t` (target id = i + d2t[i]).
+Variants are bound once at construction or through plain attributes the doctor can flip.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.cache import KVCache
+from workbench.config import DraftConfig
+from workbench.models.mla import MLAttention, causal_mask
+from workbench.models.moe import MLP
+from workbench.models.norm import RMSNorm
+from workbench.models.rope import RotaryEmbedding
+
+
+class MHAttention(nn.Module):
+    """Llama-style attention over the same 2H input (vLLM's LlamaForCausalLMEagle3 layer 0)."""
+
+    def __init__(self, cfg: DraftConfig, input_size: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(input_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(input_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(input_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleave)
+        self.scale = cfg.softmax_scale
+
+    @property
+    def row_width(self) -> int:
+        return 2 * self.n_kv * self.head_dim
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B,T,2H] -> roped q [B,T,N,D] and cache rows [B,T,2*Nkv*D] = [K | V]."""
+        B, T, _ = x.shape
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q = self.rotary(self.q_proj(x).view(B, T, self.n_heads, self.head_dim), cos, sin)
+        k = self.rotary(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)
+        return q, torch.cat([k.reshape(B, T, -1), self.v_proj(x)], dim=-1)
+
+    def attend(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T = q.shape[:2]
+        S = rows.shape[1]
+        k, v = rows.view(B, S, 2, self.n_kv, self.head_dim).unbind(2)
+        rep = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=self.scale)
+        return o.transpose(1, 2).reshape(B, T, -1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0, path: str = "auto", backend: str = "torch") -> torch.Tensor:
+        T = x.shape[1]
+        q, new_rows = self.project(x, positions)
+        if cache is None:
+            return self.o_proj(self.attend(q, new_rows, causal_mask(T, 0, x.device) if T > 1 else None))
+        start = cache.length
+        rows = cache.write(layer, start, new_rows)
+        return self.o_proj(self.attend(q, rows, causal_mask(T, start, x.device)))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.self_attn = MLAttention(cfg, 2 * H, H) if cfg.attention == "mla" else MHAttention(cfg, 2 * H)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(H, cfg.intermediate_size)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def forward(self, embeds: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache | None, **attn) -> torch.Tensor:
+        hn = self.hidden_norm(h)
+        residual = hn if self.norm_before_residual else h
+        x = torch.cat([self.input_layernorm(embeds), hn], dim=-1)  # embedding first
+        residual = residual + self.self_attn(x, positions, cache, 0, **attn)
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig, own_embed: bool = False, own_lm_head: bool = False) -> None:
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        if cfg.use_aux_hidden_state:
+            self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        if own_embed:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        if own_lm_head:
+            self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.norm_output = cfg.norm_output  # feed back post-norm (EAGLE-3.1) instead of pre-norm
+        self._shared: dict[str, nn.Module] = {}  # the verifier's embedding / lm_head, not our weights
+
+    def share(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        """Use the verifier's embedding and lm_head wherever this draft ships none."""
+        self._shared = {"embed_tokens": embed_tokens, "lm_head": lm_head}
+
+    def part(self, name: str) -> nn.Module:
+        if name in self._modules:
+            return self._modules[name]
+        if name not in self._shared:
+            raise RuntimeError(f"draft has no {name} of its own; call share(verifier embed, lm_head) first")
+        return self._shared[name]
+
+    @property
+    def attention_kind(self) -> str:
+        return self.config.attention
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        p = self.fc.weight if hasattr(self, "fc") else self.norm.weight
+        return KVCache(1, self.config.cache_row, max_len, batch, p.dtype, p.device, name="draft cache")
+
+    def combine_hidden_states(self, aux: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
+        """fc over concat(h_lo, h_mid, h_hi): [B, T, 3H] -> [B, T, H]."""
+        return self.fc(torch.cat(list(aux), dim=-1))
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None, path: str = "auto",
+                attention: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft pass: tokens [B,T] with states [B,T,H] -> (post-norm, state to feed back).
+
+        With a cache, the rows go at `cache.length` (= the position of the first token) and
+        the length advances by T.
+        """
+        T = input_ids.shape[1]
+        start = cache.length if cache is not None else 0
+        if cache is not None:
+            cache.check_room(T)
+        if positions is None:
+            positions = torch.arange(start, start + T, device=input_ids.device)[None]
+        embeds = self.part("embed_tokens")(input_ids)
+        pre = self.layers[0](embeds, hidden, positions, cache, path=path, backend=attention)
+        if cache is not None:
+            cache.advance(T)
+        post = self.norm(pre)
+        return post, (post if self.norm_output else pre)
+
+    def compute_logits(self, post: torch.Tensor) -> torch.Tensor:
+        """Logits over the verifier's vocabulary (draft-vocab logits scattered through d2t)."""
+        logits = self.part("lm_head")(post)
+        if self.config.draft_vocab_size == self.config.vocab_size:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        target = torch.arange(self.config.draft_vocab_size, device=logits.device) + self.d2t
+        full[..., target] = logits
+        return full

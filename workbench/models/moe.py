@@ -1,0 +1,107 @@
+"""The dense SwiGLU MLP and DeepSeek-V3's mixture of experts.
+
+Routing (DeepSeek-V3 `noaux_tc`, as Kimi-K2 uses it): sigmoid scores; the bias
+`e_score_correction_bias` only chooses experts (it never weights them); experts are first
+narrowed to the `topk_group` groups whose two best biased scores sum highest, then the top
+`num_experts_per_tok` are taken; weights are the unbiased scores, renormalised when
+`norm_topk_prob`, times `routed_scaling_factor`. Shared experts always run.
+Routing math runs in fp32 (as transformers and vLLM do) so bf16 never flips an expert choice.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.config import VerifierConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: VerifierConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.sigmoid = cfg.scoring_func == "sigmoid"
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (weights [N, top_k] fp32, expert ids [N, top_k])."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(x.shape[0], self.n_group, -1)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False)[1], True)
+            choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob and self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: VerifierConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+        self._stacked: tuple | None = None  # inference-time stacked expert weights, see stacked()
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[E, 2I, H] gate|up and [E, H, I] down, rebuilt whenever a weight changed in place."""
+        versions = tuple(p._version for p in self.experts.parameters()) + tuple(
+            (p.data_ptr(), p.dtype) for p in self.experts[0].parameters())
+        if self._stacked is None or self._stacked[0] != versions:
+            gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+            down = torch.stack([e.down_proj.weight for e in self.experts])
+            self._stacked = (versions, gate_up.detach(), down.detach())
+        return self._stacked[1], self._stacked[2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        if torch.is_grad_enabled() or x.shape[0] > 32:
+            out = self._loop_experts(x, weights, ids)
+        else:
+            out = self._gathered_experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def _loop_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One matmul per expert that has tokens (prefill, training)."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            token, slot = (ids == e).nonzero(as_tuple=True)
+            y = self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype)
+            out.index_add_(0, token, y)
+        return out
+
+    def _gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Few tokens (decode, verify): gather the chosen experts' weights, a handful of batched ops."""
+        gate_up, down = self.stacked()
+        n, k = ids.shape
+        h = torch.bmm(gate_up[ids.flatten()], x.repeat_interleave(k, 0)[:, :, None])  # [n*k, 2I, 1]
+        g, u = h.squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(down[ids.flatten()], (F.silu(g) * u)[:, :, None]).squeeze(-1)  # [n*k, H]
+        return (y.view(n, k, -1) * weights[:, :, None].to(x.dtype)).sum(1)
