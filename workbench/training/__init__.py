@@ -1,0 +1,1 @@
+"""Training of the embedded tiny-kimi pair: corpus, tokenizer, verifier, EAGLE-3 draft."""
