@@ -1,1 +1,25 @@
-"""workbench: EAGLE-3 speculative decoding with an MLA draft, made visible."""
+"""workbench: EAGLE-3 speculative decoding with an MLA draft, made visible.
+
+    import workbench as wb
+    pair = wb.load_pair()                                   # the embedded tiny-kimi pair
+    dec = wb.SpecDecoder(pair, num_speculative_tokens=3)
+    for ev in dec.stream("def fib(n):", max_new_tokens=64): ...
+"""
+from workbench.cache import ContextLengthError, KVCache
+from workbench.checkpoint import CheckpointError
+from workbench.config import ConfigError, DraftConfig, VerifierConfig
+from workbench.decoding.engine import MAX_K, RequestError, SpecDecoder, generate_autoregressive
+from workbench.decoding.events import GenerationResult, GenerationStats, StepEvent
+from workbench.decoding.proposers import EagleProposer, NgramProposer, Proposal, Proposer
+from workbench.decoding.sampling import (GreedyAcceptor, RejectionAcceptor, SamplingError, SamplingParams,
+                                         probs_from_logits)
+from workbench.models import Eagle3Draft, Verifier, VerifierOutput
+from workbench.pair import ModelPair, PairingError, check_pairing, load_draft, load_pair, load_verifier, save_model
+
+__all__ = [
+    "CheckpointError", "ConfigError", "ContextLengthError", "DraftConfig", "Eagle3Draft", "EagleProposer",
+    "GenerationResult", "GenerationStats", "GreedyAcceptor", "KVCache", "MAX_K", "ModelPair", "NgramProposer",
+    "PairingError", "Proposal", "Proposer", "RejectionAcceptor", "RequestError", "SamplingError", "SamplingParams",
+    "SpecDecoder", "StepEvent", "Verifier", "VerifierConfig", "VerifierOutput", "check_pairing",
+    "generate_autoregressive", "load_draft", "load_pair", "load_verifier", "probs_from_logits", "save_model",
+]

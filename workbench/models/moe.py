@@ -48,6 +48,8 @@ class Router(nn.Module):
             keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False)[1], True)
             choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
         ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        if self.training:  # tokens per expert, for the auxiliary-loss-free bias update
+            self.last_load = torch.bincount(ids.flatten(), minlength=self.weight.shape[0]).float()
         weights = scores.gather(1, ids)
         if self.norm_topk_prob and self.top_k > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -17,7 +17,7 @@ from workbench.config import yarn_mscale
 
 def yarn_inv_freq(dim: int, base: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (dim/2,) and the cos/sin magnitude scale for DeepSeek YaRN."""
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     inv_extra = 1.0 / pos_freqs
     if not scaling:
         return inv_extra, 1.0
@@ -31,7 +31,7 @@ def yarn_inv_freq(dim: int, base: float, scaling: dict | None) -> tuple[torch.Te
     high = min(math.ceil(correction_dim(scaling["beta_slow"])), dim - 1)
     if low == high:
         high += 0.001  # the reference's guard against a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolate = 1.0 - ramp
     inv_freq = inv_extra / factor * (1 - extrapolate) + inv_extra * extrapolate
     mag = yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
@@ -41,12 +41,14 @@ def yarn_inv_freq(dim: int, base: float, scaling: dict | None) -> tuple[torch.Te
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, dim: int, base: float, scaling: dict | None, interleave: bool) -> None:
         super().__init__()
-        inv_freq, self.magnitude = yarn_inv_freq(dim, base, scaling)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # A plain fp32 attribute, not a buffer: it must survive model.to(bfloat16) and meta init.
+        self.inv_freq, self.magnitude = yarn_inv_freq(dim, base, scaling)
         self.interleave = interleave
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape [..., dim/2] for integer positions of shape [...]."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq
         return (freqs.cos() * self.magnitude).to(dtype), (freqs.sin() * self.magnitude).to(dtype)
 

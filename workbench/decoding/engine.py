@@ -1,0 +1,241 @@
+"""The speculative decoding loop (vLLM's chain EAGLE-3, batch size 1) and its fair baseline.
+
+One step (eagle3_mla.md §5):
+    proposals = proposer(verified tokens, fresh verifier aux states, k)
+    out = verifier([last token] + proposals)            # one forward, k+1 positions
+    a, next = acceptor(proposals, out.logits)           # lossless: greedy or rejection sampling
+    emit proposals[:a] + [next]; roll the verifier cache back to the verified length
+    the aux states of [last token] + proposals[:a] seed the next draft pass
+`generate_autoregressive` runs the same verifier, cache and sampling one token per forward,
+so every comparison is like for like.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from workbench.decoding.events import GenerationResult, StepEvent
+from workbench.decoding.proposers import EagleProposer, NgramProposer, Proposer
+from workbench.decoding.sampling import (Acceptor, SamplingError, SamplingParams, acceptor_for, check_finite,
+                                         probs_from_logits, sample)
+
+MAX_K = 16
+
+
+class RequestError(ValueError):
+    """A request the decoder cannot serve (empty prompt, too long, bad k...)."""
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    max_len: int
+
+
+class _Emitter:
+    """Accumulates emitted tokens and applies EOS, stop strings, max_new_tokens and the context limit."""
+
+    def __init__(self, pair, req: _Request) -> None:
+        self.tok, self.req = pair.tokenizer, req
+        self.eos = set(pair.eos_token_ids)
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish: str | None = None
+
+    def room(self) -> int:
+        return self.req.max_new_tokens - len(self.tokens)
+
+    def add(self, token: int) -> str:
+        """Take one token; return its text. Sets `finish` when generation must end after it."""
+        context = self.tokens[-8:] if self.tokens else self.req.prompt_ids[-4:]
+        piece = self.tok.token_texts([token], prefix=context)[0]
+        self.tokens.append(token)
+        self.text += piece
+        window = self.text[-(len(piece) + max((len(s) for s in self.req.stop), default=0)):]
+        if token in self.eos:
+            self.finish = "eos"
+        elif any(s in window for s in self.req.stop):
+            self.finish = "stop"
+        elif len(self.tokens) >= self.req.max_new_tokens:
+            self.finish = "length"
+        elif len(self.req.prompt_ids) + len(self.tokens) >= self.req.max_len:
+            self.finish = "context"
+        return piece
+
+    def final_text(self) -> str:
+        """The text, cut before a stop string (the stop string itself is not output, as in vLLM)."""
+        if self.finish == "stop":
+            cut = min(i for i in (self.text.find(s) for s in self.req.stop) if i >= 0)
+            return self.text[:cut]
+        return self.text
+
+
+def _validate_common(pair, prompt, max_new_tokens: int, stop, max_len: int | None) -> _Request:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt is empty; expected at least one token of text")
+        ids = pair.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise RequestError("prompt is empty; expected at least one token")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise RequestError(f"max_new_tokens = {max_new_tokens!r}; expected an integer >= 1")
+    context = pair.context_length if max_len is None else min(max_len, pair.context_length)
+    if len(ids) >= context:
+        raise RequestError(f"prompt has {len(ids)} tokens; the context is {context} tokens, so at most "
+                           f"{context - 1} prompt tokens leave room to generate")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    return _Request(ids, max_new_tokens, tuple(s for s in stop if s), context)
+
+
+class SpecDecoder:
+    """Speculative decoding with a draft proposer and a lossless acceptor.
+
+    `proposer` is "eagle" (the pair's draft), "ngram" (prompt lookup), or any `Proposer`;
+    `acceptor` defaults to greedy at temperature 0, rejection sampling otherwise.
+    """
+
+    def __init__(self, pair, num_speculative_tokens: int = 3, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int = 0, proposer: str | Proposer = "eagle",
+                 acceptor: Acceptor | None = None, attention: str = "auto", draft_sampling: str = "greedy") -> None:
+        k = num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+            raise RequestError(f"num_speculative_tokens = {k!r}; expected an integer in [1, {MAX_K}]")
+        self.pair, self.k = pair, k
+        self.params = SamplingParams(temperature, top_p, top_k)
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)
+        self.attention = pair.resolve_attention(attention)
+        self.acceptor = acceptor or acceptor_for(self.params)
+        if proposer == "eagle":
+            if pair.draft is None:
+                raise RequestError("proposer 'eagle' needs a draft; this pair has none (use proposer='ngram')")
+            proposer = EagleProposer(pair.draft, draft_sampling, self.params, self.generator, self.attention)
+        elif proposer == "ngram":
+            proposer = NgramProposer()
+        elif isinstance(proposer, str):
+            raise RequestError(f"proposer = {proposer!r}; expected 'eagle', 'ngram' or a Proposer object")
+        self.proposer = proposer
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
+                 max_len: int | None = None) -> GenerationResult:
+        t0 = time.perf_counter()
+        events = list(self.stream(prompt, max_new_tokens, stop, max_len))
+        return _result(events, self._emitter, time.perf_counter() - t0, self.k)
+
+    @torch.inference_mode()
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
+               max_len: int | None = None) -> Iterator[StepEvent]:
+        """Yield one StepEvent per verifier forward: the prefill token first, then each spec step."""
+        req = _validate_common(self.pair, prompt, max_new_tokens, stop, max_len)
+        self.generator.manual_seed(self.seed)
+        pair, k = self.pair, self.k
+        cache_len = min(req.max_len, len(req.prompt_ids) + max_new_tokens + k + 1)
+        cache = pair.verifier_cache(cache_len)
+        self.proposer.reset(cache_len)
+        em = self._emitter = _Emitter(pair, req)
+
+        t = time.perf_counter()
+        ids = torch.tensor([req.prompt_ids], device=pair.device)
+        out = pair.verifier(ids, cache, logits_to_keep=1, attention=self.attention)
+        logits = out.logits[0]
+        check_finite(logits, "verifier logits at the prompt's last position")
+        probs = probs_from_logits(logits, self.params)
+        first = sample(probs[-1], self.generator)
+        shown = _shown(logits[-1], self.params, first)
+        piece = em.add(first)
+        verified = req.prompt_ids + [first]
+        aux = out.aux_hidden_states
+        yield StepEvent(step=0, kind="prefill", emitted=[first], emitted_text=[piece], emitted_status=["bonus"],
+                        emitted_verifier_probs=[shown], position=len(req.prompt_ids),
+                        verify_time=time.perf_counter() - t, finish_reason=em.finish)
+        step = 0
+        while em.finish is None:
+            step += 1
+            k_now = min(k, em.req.max_len - cache.length - 1, em.room())
+            if k_now < 1:  # no room to verify even one proposal: finish by plain decoding
+                k_now = 0
+            t = time.perf_counter()
+            prop = self.proposer.propose(verified, aux if self.proposer.needs_aux else None, max(k_now, 1))
+            proposals = prop.tokens[:k_now]
+            t_draft = time.perf_counter() - t
+            t = time.perf_counter()
+            start = cache.length
+            x = torch.tensor([[verified[-1]] + proposals], device=pair.device)
+            out = pair.verifier(x, cache, attention=self.attention)
+            check_finite(out.logits, f"verifier logits at step {step}")
+            dq = prop.draft_probs[:k_now] if prop.draft_probs is not None else None
+            verdict = self.acceptor.verify(proposals, dq, out.logits[0], self.params, self.generator)
+            a = verdict.num_accepted
+            cache.truncate(start + 1 + a)
+            aux = tuple(h[:, : a + 1] for h in out.aux_hidden_states)
+            t_verify = time.perf_counter() - t
+
+            emitted = proposals[:a] + [verdict.next_token]
+            status = ["accepted"] * a + ["bonus" if a == k_now else "corrected"]
+            vprobs = verdict.verifier_probs[:a] + [verdict.next_token_prob]
+            proposed_text = pair.tokenizer.token_texts(proposals, prefix=verified[-8:]) if proposals else []
+            position = len(verified)
+            texts = []
+            for tok in emitted:  # a stop inside the accepted run drops the tokens after it
+                texts.append(em.add(tok))
+                if em.finish:
+                    break
+            n = len(texts)
+            verified += emitted[:n]
+            yield StepEvent(
+                step=step, kind="spec", proposed=proposals, proposed_text=proposed_text,
+                draft_probs=prop.token_probs[:k_now], verifier_probs=verdict.verifier_probs, num_accepted=a,
+                emitted=emitted[:n], emitted_text=texts, emitted_status=status[:n],
+                emitted_verifier_probs=vprobs[:n], position=position,
+                draft_time=t_draft, verify_time=t_verify, finish_reason=em.finish)
+
+
+def _shown(logits: torch.Tensor, params: SamplingParams, token: int) -> float:
+    p = logits.float().softmax(-1) if params.greedy else probs_from_logits(logits, params)
+    return float(p[token])
+
+
+def _result(events: list[StepEvent], em: _Emitter, elapsed: float, k: int) -> GenerationResult:
+    from workbench.analysis.metrics import compute_stats
+
+    stats = compute_stats(events, elapsed=elapsed, num_tokens=len(em.tokens))
+    return GenerationResult(list(em.tokens), em.final_text(), events, stats, em.req.prompt_ids,
+                            em.finish or "length", k)
+
+
+@torch.inference_mode()
+def generate_autoregressive(pair, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+                            top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: str | list[str] | None = None,
+                            attention: str = "auto", max_len: int | None = None) -> GenerationResult:
+    """Plain decoding with the same verifier, cache and sampling: one token per forward."""
+    params = SamplingParams(temperature, top_p, top_k)
+    req = _validate_common(pair, prompt, max_new_tokens, stop, max_len)
+    attention = pair.resolve_attention(attention)
+    gen = torch.Generator().manual_seed(seed)
+    cache = pair.verifier_cache(min(req.max_len, len(req.prompt_ids) + max_new_tokens + 1))
+    em = _Emitter(pair, req)
+    events: list[StepEvent] = []
+    t_start = time.perf_counter()
+    x = torch.tensor([req.prompt_ids], device=pair.device)
+    while em.finish is None:
+        t = time.perf_counter()
+        logits = pair.verifier(x, cache, logits_to_keep=1, attention=attention).logits[0, -1]
+        check_finite(logits, f"verifier logits at position {cache.length - 1}")
+        tok = sample(probs_from_logits(logits, params), gen)
+        piece = em.add(tok)
+        events.append(StepEvent(step=len(events), kind="prefill" if not events else "decode", emitted=[tok],
+                                emitted_text=[piece], emitted_status=["bonus"],
+                                emitted_verifier_probs=[_shown(logits, params, tok)],
+                                position=cache.length, verify_time=time.perf_counter() - t, finish_reason=em.finish))
+        x = torch.tensor([[tok]], device=pair.device)
+    return _result(events, em, time.perf_counter() - t_start, 0)
+
+
+__all__ = ["SpecDecoder", "generate_autoregressive", "RequestError", "SamplingError", "MAX_K"]

@@ -1,0 +1,117 @@
+"""Proposers: where the k speculative tokens come from.
+
+A proposer sees the verified token ids and the verifier's aux states of the verified tokens
+it has not seen yet, and returns k proposals (with the draft's distribution q when it has
+one). The engine owns the loop; proposers own their state (the draft's cache).
+
+`EagleProposer` is vLLM's chain EAGLE-3 loop (eagle3_mla.md §5.4): a first pass over every
+newly verified position with tokens shifted left by one (position j gets token j+1 and the
+fused verifier state of j), then k-1 single-token steps, each feeding back the draft's own
+state and advancing the position by one. Draft rows written by those steps are provisional:
+the next first pass truncates the draft cache to the verified length and rewrites them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from workbench.decoding.sampling import SamplingParams, probs_from_logits, sample
+from workbench.models.draft import Eagle3Draft
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    draft_probs: torch.Tensor | None = None  # [k, V] q used for acceptance; None: greedy (q one-hot)
+    token_probs: list[float] = field(default_factory=list)  # q(token_i) under the draft's softmax, for display
+
+
+class Proposer(Protocol):
+    name: str
+    needs_aux: bool
+
+    def reset(self, max_len: int) -> None: ...
+
+    def propose(self, tokens: list[int], new_aux: tuple[torch.Tensor, ...] | None, k: int) -> Proposal: ...
+
+
+class EagleProposer:
+    """EAGLE-3 chain drafting with an MLA (or MHA) draft layer."""
+
+    needs_aux = True
+
+    def __init__(self, draft: Eagle3Draft, sampling: str = "greedy", params: SamplingParams | None = None,
+                 generator: torch.Generator | None = None, attention: str = "torch") -> None:
+        if sampling not in ("greedy", "sample"):
+            raise ValueError(f"draft sampling = {sampling!r}; expected 'greedy' or 'sample'")
+        self.draft, self.sampling, self.attention = draft, sampling, attention
+        self.params = params or SamplingParams()
+        self.generator = generator
+        self.name = f"eagle3-{draft.attention_kind}"
+        self.cache = None
+        self.seen = 0  # positions whose draft rows were computed from verifier states
+
+    def reset(self, max_len: int) -> None:
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = self.draft.new_cache(max_len)
+        self.cache.reset()
+        self.seen = 0
+
+    def _pick(self, post: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        logits = self.draft.compute_logits(post)[0, -1]
+        soft = logits.float().softmax(-1)
+        if self.sampling == "greedy" or self.params.greedy:
+            t = int(logits.argmax())
+            return t, None, float(soft[t])
+        q = probs_from_logits(logits, self.params)
+        t = sample(q, self.generator)
+        return t, q, float(q[t])
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], new_aux: tuple[torch.Tensor, ...] | None, k: int) -> Proposal:
+        n_new = len(tokens) - 1 - self.seen  # positions seen..len-2 have fresh verifier states
+        if new_aux is None or new_aux[0].shape[1] != n_new:
+            raise ValueError(f"EAGLE proposer expected aux states for {n_new} new positions")
+        device = self.draft.norm.weight.device
+        self.cache.truncate(self.seen)
+        ids = torch.tensor([tokens[self.seen + 1:]], device=device)
+        hidden = self.draft.combine_hidden_states(new_aux)
+        post, state = self.draft(ids, hidden, self.cache, attention=self.attention)
+        self.seen = len(tokens) - 1
+        out, qs, shown = [], [], []
+        for i in range(k):
+            t, q, p = self._pick(post)
+            out.append(t), qs.append(q), shown.append(p)
+            if i + 1 < k:
+                post, state = self.draft(torch.tensor([[t]], device=device), state[:, -1:], self.cache,
+                                         attention=self.attention)
+        draft_probs = None if qs[0] is None else torch.stack(qs)
+        return Proposal(out, draft_probs, shown)
+
+
+class NgramProposer:
+    """Prompt-lookup decoding: copy what followed the latest earlier match of the last n tokens."""
+
+    needs_aux = False
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def reset(self, max_len: int) -> None:
+        pass
+
+    def propose(self, tokens: list[int], new_aux, k: int) -> Proposal:
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(tokens) <= n:
+                continue
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == tail:
+                    follow = tokens[start + n:start + n + k]
+                    if follow:
+                        follow = follow + [follow[-1]] * (k - len(follow))
+                        return Proposal(follow, None, [1.0] * k)
+        return Proposal([tokens[-1]] * k, None, [1.0] * k)
