@@ -85,10 +85,14 @@ class Eagle3DecoderLayer(nn.Module):
 
     def forward(self, embeds: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache | None, **attn) -> torch.Tensor:
+        return self.block(embeds, h, lambda x: self.self_attn(x, positions, cache, 0, **attn))
+
+    def block(self, embeds: torch.Tensor, h: torch.Tensor, attend) -> torch.Tensor:
+        """The layer around any attention `attend(x_2H) -> [B,T,H]` (the trainer's TTT attention)."""
         hn = self.hidden_norm(h)
         residual = hn if self.norm_before_residual else h
         x = torch.cat([self.input_layernorm(embeds), hn], dim=-1)  # embedding first
-        residual = residual + self.self_attn(x, positions, cache, 0, **attn)
+        residual = residual + attend(x)
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 

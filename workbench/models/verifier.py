@@ -101,8 +101,7 @@ class Verifier(nn.Module):
         h = self.model.embed_tokens(input_ids)
         aux = []
         for layer in self.model.layers:
-            if layer.idx in self._aux:
-                aux.append(h)
+            aux += [h] * self._aux.count(layer.idx)
             h = layer(h, positions, cache, path=path, backend=attention)
         if cache is not None:
             cache.advance(T)

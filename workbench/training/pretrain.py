@@ -121,7 +121,8 @@ def pretrain(args: PretrainArgs, log=print) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     budget = args.max_minutes * 60
-    # Estimate the step count the budget allows from the first steps, so cosine decay ends on time.
+    # The step count the budget allows is re-estimated as training goes (a shared machine's speed
+    # varies), so the cosine decay ends when the time does.
     total = args.max_steps
     history = []
     start = time.time()
@@ -144,9 +145,10 @@ def pretrain(args: PretrainArgs, log=print) -> dict:
                 m.gate.e_score_correction_bias += args.bias_update * torch.sign(load.mean() - load)
         step += 1
         elapsed = time.time() - start
-        if step == 20 and total == args.max_steps:
-            total = min(args.max_steps, int(budget / (elapsed / step)))
-            log(f"{elapsed / step:.2f} s/step -> {total} steps in {args.max_minutes} min")
+        if step >= 10 and step % 10 == 0:
+            total = max(step + 1, min(args.max_steps, int(budget / (elapsed / step))))
+        if elapsed > budget:
+            total = step
         if step % 10 == 0:
             log(f"step {step}/{total} loss {loss.item():.3f} lr {opt.param_groups[0]['lr']:.2e} {elapsed:.0f}s")
         if step % args.eval_every == 0 or step == total:

@@ -1,0 +1,143 @@
+"""`workbench bench`: speculative against autoregressive decoding on the same prompts, in one run.
+
+Both paths run the same verifier, cache and dtype; each prompt is decoded both ways back to
+back (alternating which goes first), so drift on a shared machine hits both alike. Speed is
+total tokens / total time per method, and the per-prompt speedup median is reported beside it.
+Losslessness: greedy outputs must be identical. In bf16 the k+1-token verify pass rounds
+differently from one-token decoding, so a near-tie can flip; every divergence is reported with
+the verifier's logit gap between the two candidates, and the run counts as lossless only if
+each gap is within the dtype's rounding (`tie_tolerance`).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from workbench.analysis.metrics import compute_stats
+
+EPS = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def tie_tolerance(logit: float, dtype: torch.dtype, roundings: int = 4) -> float:
+    """A few units in the last place of the logit's magnitude in `dtype`: what rounding alone can move."""
+    return roundings * EPS.get(dtype, 2.0 ** -23) * max(abs(logit), 1.0)
+
+
+@torch.inference_mode()
+def divergence(pair, prompt_ids: list[int], a: list[int], b: list[int]) -> dict | None:
+    """Where two greedy continuations first differ, and the verifier's logit gap there."""
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if j is None:
+        return None
+    ids = torch.tensor([prompt_ids + a[:j]], device=pair.device)
+    logits = pair.verifier(ids, logits_to_keep=1).logits[0, -1].float()
+    la, lb = float(logits[a[j]]), float(logits[b[j]])
+    tol = tie_tolerance(max(abs(la), abs(lb)), pair.dtype)
+    return {"position": j, "autoregressive_token": a[j], "speculative_token": b[j], "logit_ar": la,
+            "logit_spec": lb, "gap": abs(la - lb), "tolerance": tol, "tie": abs(la - lb) <= tol}
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, attention: str = "auto",
+              peers: bool = True, peer_prompts: int = 8, repeats: int = 1, progress: bool = True) -> dict:
+    import workbench as wb
+
+    dec = wb.SpecDecoder(pair, num_speculative_tokens=k, attention=attention)
+    ar_fn = lambda p: wb.generate_autoregressive(pair, p, max_new_tokens, attention=attention)  # noqa: E731
+    dec.generate(prompts[0], max_new_tokens=8), ar_fn(prompts[0])  # warm-up
+    spec_events, spec_tok, spec_t, ar_tok, ar_t, ratios, ties, per_prompt = [], 0, 0.0, 0, 0.0, [], [], []
+    bar = _bar(len(prompts), "bench", progress)
+    for i, prompt in enumerate(prompts):
+        runs_s, runs_a = [], []
+        for r in range(repeats):
+            order = [("s", lambda: dec.generate(prompt, max_new_tokens)), ("a", lambda: ar_fn(prompt))]
+            for tag, fn in (order if (i + r) % 2 == 0 else order[::-1]):
+                (runs_s if tag == "s" else runs_a).append(_timed(fn))
+        spec, ts = runs_s[0][0], statistics.median(t for _, t in runs_s)
+        ar, ta = runs_a[0][0], statistics.median(t for _, t in runs_a)
+        spec_events += spec.events
+        spec_tok, spec_t, ar_tok, ar_t = spec_tok + len(spec.tokens), spec_t + ts, ar_tok + len(ar.tokens), ar_t + ta
+        ratios.append((len(spec.tokens) / ts) / (len(ar.tokens) / ta))
+        if spec.tokens != ar.tokens:
+            d = divergence(pair, ar.prompt_tokens, ar.tokens, spec.tokens)
+            ties.append({"prompt_index": i, **(d or {"position": min(len(ar.tokens), len(spec.tokens)),
+                                                      "tie": False, "note": "same prefix, different lengths"})})
+        per_prompt.append({"spec_tokens": len(spec.tokens), "ar_tokens": len(ar.tokens), "spec_s": ts, "ar_s": ta,
+                           "accept_length": spec.stats.accept_length, "identical": spec.tokens == ar.tokens})
+        _tick(bar, f"AL {spec.stats.accept_length:.2f}")
+    _close(bar)
+    stats = compute_stats(spec_events, elapsed=spec_t, num_tokens=spec_tok)
+    report = {
+        "k": k, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(pair.dtype).replace("torch.", ""),
+        "device": str(pair.device), "attention": dec.attention, "threads": torch.get_num_threads(), "repeats": repeats,
+        "verifier": pair.verifier_dir, "draft": pair.draft_dir,
+        "accept_length": stats.accept_length, "per_position_acceptance": stats.per_position_acceptance,
+        "conditional_acceptance": stats.conditional_acceptance,
+        "accepted_length_histogram": stats.accepted_length_histogram,
+        "spec_tokens_per_s": spec_tok / spec_t, "ar_tokens_per_s": ar_tok / ar_t,
+        "speedup": (spec_tok / spec_t) / (ar_tok / ar_t), "speedup_median": statistics.median(ratios),
+        "draft_time_s": stats.draft_time, "verify_time_s": stats.verify_time,
+        "lossless": all(t.get("tie") for t in ties), "identical": not ties, "ties": ties, "per_prompt": per_prompt,
+    }
+    if peers:
+        report["peers"] = peer_bench(pair, prompts[:peer_prompts], max_new_tokens, k, attention, progress)
+    return report
+
+
+def peer_bench(pair, prompts: list[str], max_new_tokens: int, k: int, attention: str, progress: bool) -> dict:
+    """transformers' own `generate` on the same checkpoint (greedy, and prompt lookup), beside ours."""
+    try:
+        import transformers
+    except ImportError:
+        return {"transformers": {"note": "transformers not installed"}}
+    import workbench as wb
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(pair.verifier_dir, dtype=pair.dtype).to(pair.device).eval()
+    out = {}
+    ours_tok, ours_t = 0, 0.0
+    for p in prompts:
+        r, t = _timed(lambda: wb.generate_autoregressive(pair, p, max_new_tokens, attention=attention))
+        ours_tok, ours_t = ours_tok + len(r.tokens), ours_t + t
+    for name, extra in (("transformers_generate", {}), ("transformers_prompt_lookup", {"prompt_lookup_num_tokens": k})):
+        toks, secs, same = 0, 0.0, 0
+        bar = _bar(len(prompts), name, progress)
+        for p in prompts:
+            ids = torch.tensor([pair.encode(p)], device=pair.device)
+            with torch.inference_mode():
+                gen, t = _timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                       max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                                       pad_token_id=pair.tokenizer.eos_token_id, **extra))
+            toks, secs = toks + gen.shape[1] - ids.shape[1], secs + t
+            _tick(bar, "")
+        _close(bar)
+        out[name] = {"tokens_per_s": toks / secs, "ours_ar_tokens_per_s": ours_tok / ours_t,
+                     "ours_over_peer": (ours_tok / ours_t) / (toks / secs), "num_prompts": len(prompts),
+                     "transformers_version": transformers.__version__}
+    return out
+
+
+def _bar(total: int, desc: str, on: bool):
+    if not on:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def _tick(bar, note: str) -> None:
+    if bar is not None:
+        bar.set_postfix_str(note)
+        bar.update(1)
+
+
+def _close(bar) -> None:
+    if bar is not None:
+        bar.close()

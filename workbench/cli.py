@@ -1,0 +1,308 @@
+"""`workbench ...`: the command line. Each subcommand is a small typed function; `--json` prints one object.
+
+Every command takes `--verifier DIR --draft DIR` (default: the embedded tiny-kimi pair) and
+`--attention torch|triton|auto`. Errors print one clear line and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+APPS = REPO / "apps"
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_dtype(device: str) -> str:
+    if device.startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+
+
+def _pair_args(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -> None:
+    p.add_argument("--verifier", help="verifier checkpoint dir (default: embedded tiny-kimi)")
+    p.add_argument("--draft", help="draft checkpoint dir (default: the embedded draft)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=dtype_default, help="float32 | bfloat16 | float16")
+    p.add_argument("--attention", default="auto", choices=["torch", "triton", "auto"])
+
+
+def _load(args):
+    import workbench as wb
+
+    dtype = args.dtype or default_dtype(args.device)
+    return wb.load_pair(verifier=args.verifier, draft=args.draft, device=args.device, dtype=dtype)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_generate(args) -> int:
+    import workbench as wb
+
+    pair = _load(args)
+    if args.no_draft:
+        res = wb.generate_autoregressive(pair, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
+                                         args.top_k, args.seed, stop=args.stop, attention=args.attention)
+    else:
+        dec = wb.SpecDecoder(pair, args.k, args.temperature, args.top_p, args.top_k, args.seed,
+                             proposer=args.proposer, attention=args.attention)
+        res = dec.generate(args.prompt, args.max_new_tokens, stop=args.stop)
+    if args.json:
+        print(json.dumps(res.to_dict()))
+    else:
+        print(args.prompt + res.text)
+        s = res.stats
+        print(f"\n[{len(res.tokens)} tokens, accept length {s.accept_length:.2f}, {s.tokens_per_s:.1f} tok/s, "
+              f"finish: {res.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    """JSONL with {"prompt": ...} per line; errors name the file and line."""
+    prompts = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not valid JSON ({e}); expected {{\"prompt\": ...}} per line") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            raise ValueError(f"{path}:{i}: field 'prompt' missing or empty; expected a non-empty string")
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise ValueError(f"{path}: no prompts; expected JSONL lines like {{\"prompt\": \"def f(x):\"}}")
+    return prompts[:limit] if limit else prompts
+
+
+def cmd_bench(args) -> int:
+    from workbench.analysis.bench import run_bench
+
+    pair = _load(args)
+    prompts = read_prompts(args.prompts, args.limit)
+    report = run_bench(pair, prompts, k=args.k, max_new_tokens=args.max_new_tokens, attention=args.attention,
+                       peers=not args.no_peers, peer_prompts=args.peer_prompts, repeats=args.repeats)
+    report["prompts_file"] = str(args.prompts)
+    print(json.dumps(report) if args.json else _bench_text(report))
+    return 0
+
+
+def _bench_text(r: dict) -> str:
+    lines = [f"k={r['k']} dtype={r['dtype']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']}",
+             f"accept length {r['accept_length']:.3f}  per-position {[round(x, 3) for x in r['per_position_acceptance']]}",
+             f"speculative {r['spec_tokens_per_s']:.1f} tok/s  autoregressive {r['ar_tokens_per_s']:.1f} tok/s  "
+             f"speedup {r['speedup']:.2f}x (median per prompt {r['speedup_median']:.2f}x)",
+             f"lossless {r['lossless']}  ties {len(r['ties'])}"]
+    for name, peer in r.get("peers", {}).items():
+        lines.append(f"peer {name}: {peer.get('tokens_per_s', float('nan')):.1f} tok/s; ours/peer "
+                     f"{peer.get('ours_over_peer', float('nan')):.2f}x {peer.get('note', '')}")
+    return "\n".join(lines)
+
+
+def cmd_sweep(args) -> int:
+    from workbench.analysis.sweep import run_sweep
+
+    pair = _load(args)
+    prompts = read_prompts(args.prompts, args.limit)
+    ks = [int(k) for k in args.ks.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    res = run_sweep(pair, prompts, ks=ks, temperatures=temps, max_new_tokens=args.max_new_tokens,
+                    attention=args.attention, seed=args.seed)
+    print(json.dumps(res.to_dict()) if args.json else res.summary())
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from workbench.analysis.doctor import diagnose
+
+    pair = _load(args)
+    prompts = read_prompts(args.prompts, args.limit)
+    report = diagnose(pair, prompts, k=args.k, max_new_tokens=args.max_new_tokens)
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0 if report.ok else 1
+
+
+def cmd_chat(args) -> int:
+    sys.path.insert(0, str(APPS))
+    import chat  # apps/chat.py
+
+    return chat.main(sys.argv[2:])
+
+
+def cmd_dashboard(args) -> int:
+    cmd = [sys.executable, "-m", "streamlit", "run", str(APPS / "dashboard.py"), "--server.port", str(args.port),
+           "--server.address", args.host, "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    extra = [a for a in ("--verifier", args.verifier, "--draft", args.draft) if a] if args.verifier else []
+    return subprocess.call(cmd + (["--", *extra] if extra else []))
+
+
+def cmd_export_vllm(args) -> int:
+    from workbench.integrations.vllm import export_draft
+
+    import workbench as wb
+
+    pair = wb.load_pair(verifier=args.verifier, draft=args.draft, dtype="float32")
+    out = export_draft(pair, args.out, dtype=args.export_dtype)
+    print(json.dumps({"out": str(out)}) if args.json else f"wrote {out}")
+    return 0
+
+
+def cmd_vllm_command(args) -> int:
+    from workbench.integrations.vllm import serve_command
+
+    print(serve_command(args.verifier_name, args.draft_name, k=args.k, tp=args.tp))
+    return 0
+
+
+def cmd_bench_kernels(args) -> int:
+    from workbench.kernels.bench import main as bench_main
+
+    return bench_main(["--json"] if args.json else [])
+
+
+def cmd_pretrain(args) -> int:
+    from workbench.training.pretrain import PretrainArgs, pretrain
+
+    report = pretrain(PretrainArgs(out=Path(args.out), tokenizer=Path(args.tokenizer), max_minutes=args.max_minutes,
+                                   batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed))
+    tok_dir = Path(args.tokenizer).parent
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (tok_dir / f).exists() and tok_dir.resolve() != Path(args.out).resolve():
+            (Path(args.out) / f).write_bytes((tok_dir / f).read_bytes())
+    print(json.dumps({k: v for k, v in report.items() if k != "history"}))
+    return 0
+
+
+def cmd_train_draft(args) -> int:
+    from workbench.training.eagle3 import main as train_main
+
+    return train_main(sys.argv[2:])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="workbench", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("generate", help="speculative generation, with per-step events in --json")
+    _pair_args(p)
+    _sampling_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--proposer", default="eagle", choices=["eagle", "ngram"])
+    p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("bench", help="speculative vs autoregressive on a prompt set, same run")
+    _pair_args(p, dtype_default=None)
+    p.add_argument("--prompts", default=str(REPO / "assets/prompts/code.jsonl"))
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (median kept)")
+    p.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
+    p.add_argument("--peer-prompts", type=int, default=8, help="prompts timed with transformers (slow)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("sweep", help="measured sweep over k (and temperatures)")
+    _pair_args(p, dtype_default=None)
+    p.add_argument("--prompts", default=str(REPO / "assets/prompts/code.jsonl"))
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--ks", default="1,2,3,4,5,6")
+    p.add_argument("--temperatures", default="0")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser("doctor", help="probe a draft/verifier pairing for silent misconfiguration")
+    _pair_args(p)
+    p.add_argument("--prompts", default=str(REPO / "assets/prompts/code.jsonl"))
+    p.add_argument("--limit", type=int, default=4)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_doctor)
+
+    p = sub.add_parser("chat", help="the Gradio chat (flags: see apps/chat.py --help)", add_help=False)
+    p.set_defaults(fn=cmd_chat)
+
+    p = sub.add_parser("dashboard", help="the Streamlit dashboard")
+    p.add_argument("--port", type=int, default=8501)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--verifier")
+    p.add_argument("--draft")
+    p.set_defaults(fn=cmd_dashboard)
+
+    p = sub.add_parser("export-vllm", help="write the draft as vLLM's Eagle3DeepseekV2ForCausalLM loads it")
+    p.add_argument("out")
+    p.add_argument("--verifier")
+    p.add_argument("--draft")
+    p.add_argument("--export-dtype", default="bfloat16")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_export_vllm)
+
+    p = sub.add_parser("vllm-command", help="the `vllm serve` command for a pair")
+    p.add_argument("--verifier-name", default="moonshotai/Kimi-K2.7-Code")
+    p.add_argument("--draft-name", default="k-l-lambda/kimi-k2.7-code-eagle3-mla")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--tp", type=int, default=8)
+    p.set_defaults(fn=cmd_vllm_command)
+
+    p = sub.add_parser("bench-kernels", help="Triton MLA kernel GB/s and TFLOP/s (CUDA)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_bench_kernels)
+
+    p = sub.add_parser("pretrain-verifier", help="pretrain the tiny-kimi verifier on the stdlib corpus")
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokenizer", default=str(REPO / "assets/tiny-kimi/verifier/tokenizer.json"))
+    p.add_argument("--max-minutes", type=float, default=30)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_pretrain)
+
+    p = sub.add_parser("train-draft", help="online EAGLE-3 training with training-time test", add_help=False)
+    p.set_defaults(fn=cmd_train_draft)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = build_parser()
+    if argv and argv[0] in ("chat", "train-draft"):
+        args = argparse.Namespace(cmd=argv[0], fn={"chat": cmd_chat, "train-draft": cmd_train_draft}[argv[0]])
+        sys.argv = ["workbench", *argv]
+    else:
+        args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, RuntimeError, FileNotFoundError, OSError) as e:
+        if os.environ.get("WORKBENCH_DEBUG"):
+            raise
+        print(f"workbench {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
