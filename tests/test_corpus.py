@@ -128,9 +128,9 @@ def test_docstring_prompts_cut_def_through_closing_quotes(tmp_path):
     _write(tmp_path, "copy.py", src)  # copy.py is in the eval split
     prompts = corpus.docstring_prompts("eval", tmp_path)
     assert prompts == [
-        {"prompt": 'def first(a,\n          b):\n    """Two-line signature."""\n',
+        {"prompt": 'def first(a,\n          b):\n    """Two-line signature."""',
          "source": "copy.py:3"},
-        {"prompt": '    def method(self):\n        """Multi\n        line."""\n',
+        {"prompt": '    def method(self):\n        """Multi\n        line."""',
          "source": "copy.py:10"},
     ]
     # The two prompts are 57 and 56 characters long; max_chars is exclusive.
@@ -149,11 +149,11 @@ def test_shipped_code_prompts_are_clean_def_docstring_cuts_from_eval():
     for row in rows:
         prompt, (rel, lineno) = row["prompt"], row["source"].rsplit(":", 1)
         assert corpus.split_of(rel) == "eval" and int(lineno) > 0
-        assert len(prompt) < 400 and prompt.endswith("\n")
+        assert len(prompt) < 400 and not prompt.endswith("\n")
         body = textwrap.dedent(prompt)
         last = body.splitlines()[-1]
         indent = last[: len(last) - len(last.lstrip())]
-        tree = ast.parse(body + indent + "pass\n")  # a def whose body so far is its docstring
+        tree = ast.parse(body + "\n" + indent + "pass\n")  # a def whose body so far is its docstring
         fn = tree.body[0]
         assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
         assert ast.get_docstring(fn) is not None and len(fn.body) == 2

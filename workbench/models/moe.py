@@ -70,8 +70,8 @@ class MoE(nn.Module):
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[E, 2I, H] gate|up and [E, H, I] down, rebuilt whenever a weight changed in place."""
-        versions = tuple(p._version for p in self.experts.parameters()) + tuple(
-            (p.data_ptr(), p.dtype) for p in self.experts[0].parameters())
+        params = [e.weight for m in self.experts for e in (m.gate_proj, m.up_proj, m.down_proj)]
+        versions = tuple((p._version, p.data_ptr(), p.dtype) for p in params)
         if self._stacked is None or self._stacked[0] != versions:
             gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
             down = torch.stack([e.down_proj.weight for e in self.experts])

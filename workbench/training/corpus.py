@@ -140,7 +140,10 @@ def docstring_prompts(split: str = "eval", root: str | Path | None = None,
         for relpath, cuts in per_file:
             if rank < len(cuts) and len(prompts) < limit:
                 lineno, source = cuts[rank]
-                prompts.append({"prompt": source, "source": f"{relpath}:{lineno}"})
+                # Without its final newline: this tokenizer merges a newline with the next line's
+                # indentation, so a prompt ending in a bare "\n" token looks like the end of a file
+                # and the model's likeliest continuation is <|eos|>.
+                prompts.append({"prompt": source[:-1], "source": f"{relpath}:{lineno}"})
     return prompts
 
 

@@ -256,13 +256,18 @@ def corpus_stream(tokenizer, data: str = "stdlib", split: str = "train") -> torc
         for i, line in enumerate(Path(data).read_text().splitlines(), 1):
             if line.strip():
                 obj = json.loads(line)
-                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    raise ValueError(f"{data}:{i}: field 'text' missing; expected {{\"text\": ...}} per line")
-                texts.append(obj["text"])
+                if isinstance(obj, dict) and isinstance(obj.get("ids"), list):  # token ids, used as they are
+                    texts.append(obj["ids"])
+                elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
+                    texts.append(obj["text"])
+                else:
+                    raise ValueError(f"{data}:{i}: fields 'ids' and 'text' missing; expected "
+                                     "{\"text\": ...} or {\"ids\": [...]} per line")
     ids: list[int] = []
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     for t in texts:
-        ids += ([bos] if bos is not None else []) + tokenizer.encode(t) + ([eos] if eos is not None else [])
+        body = t if isinstance(t, list) else tokenizer.encode(t)
+        ids += ([bos] if bos is not None else []) + body + ([eos] if eos is not None else [])
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -273,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--init", help="start from this draft dir instead of a fresh one")
     ap.add_argument("--attention", default="mla", choices=["mla", "mha"])
     ap.add_argument("--intermediate-size", type=int, default=None)
-    ap.add_argument("--data", default="stdlib", help="'stdlib' or a JSONL file of {\"text\": ...}")
+    ap.add_argument("--data", default="stdlib",
+                    help="'stdlib', or a JSONL file of {\"text\": ...} or {\"ids\": [...]} "
+                         "(e.g. from python -m workbench.training.regenerate)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--resume", action="store_true")
     for f in TrainArgs.__dataclass_fields__.values():
