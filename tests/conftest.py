@@ -9,7 +9,7 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(1)  # tiny ops: threads cost more than they give, badly so on a busy machine
 except ImportError:  # pragma: no cover
     pass
 

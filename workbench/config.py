@@ -372,7 +372,10 @@ class DraftConfig(MLADims):
                 num_key_value_heads=int(d.get("num_key_value_heads") or heads), head_dim=head_dim,
                 **common,
             )
-        known = set(cls.__dataclass_fields__) | {"eagle_config", "eagle_aux_hidden_state_layer_ids"}
+        # Fields to_hf writes itself (or drops on purpose) stay out of `extra`: from_hf(to_hf(c)) == c.
+        known = set(cls.__dataclass_fields__) | {"eagle_config", "eagle_aux_hidden_state_layer_ids",
+                                                 "num_hidden_layers", "tie_word_embeddings", "n_routed_experts",
+                                                 "first_k_dense_replace", "moe_layer_freq"}
         cfg.extra = {k: v for k, v in d.items() if k not in known and k not in _HF_ONLY}
         return cfg
 
@@ -425,7 +428,8 @@ class DraftConfig(MLADims):
                 qk_rope_head_dim=self.qk_rope_head_dim,
                 v_head_dim=self.v_head_dim,
                 rope_interleave=self.rope_interleave,
-                n_routed_experts=None,
+                # no n_routed_experts: transformers 5's DeepseekV3Config rejects null (strict int), and
+                # the draft is dense whatever it says (public MLA draft configs omit it too).
                 first_k_dense_replace=1,
                 moe_layer_freq=1,
             )

@@ -7,6 +7,7 @@ checkpoint is never initialised randomly first nor held twice.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,12 +60,14 @@ def load_verifier(directory: str | Path, device: str | torch.device = "cpu",
     cfg = load_verifier_config(directory)
     reader = SafetensorsReader(directory)
     model = _build(lambda: Verifier(cfg, aux_layer_ids), device, dtype)
+    # Routers go fp32 *before* loading (dtype=None loads each tensor at its module dtype), so an
+    # fp32 e_score_correction_bias is never rounded through bf16 on the way in.
+    _keep_routers_fp32(model)
     optional = ["lm_head.weight"] if cfg.tie_word_embeddings else []
-    load_state(model, reader, rename=verifier_name(cfg.num_hidden_layers), dtype=dtype, device=device,
+    load_state(model, reader, rename=verifier_name(cfg.num_hidden_layers), dtype=None, device=device,
                optional=optional)
     if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _keep_routers_fp32(model)
     model.source = str(directory)
     return model.eval()
 
@@ -192,8 +195,11 @@ def save_model(model: Verifier | Eagle3Draft, directory: str | Path, dtype: torc
     from workbench.config import write_config_json
 
     directory = Path(directory)
-    write_config_json(model.config, directory)
+    path = write_config_json(model.config, directory)
     tensors = {n: (t.to(dtype) if dtype is not None and t.is_floating_point() else t)
                for n, t in model.state_dict().items()}
+    config = json.loads(path.read_text())
+    config["torch_dtype"] = str(dtype or next(iter(model.parameters())).dtype).replace("torch.", "")
+    path.write_text(json.dumps(config, indent=2) + "\n")
     save_state(tensors, directory, max_shard_bytes=max_shard_bytes)
     return directory

@@ -18,9 +18,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
 
 from workbench.analysis.metrics import counter_rates
+
+if TYPE_CHECKING:  # export_draft's annotation only; pair.py imports torch
+    from workbench.pair import ModelPair
 
 PREFIX = "vllm:spec_decode_"
 # V1 counters (family name; on /metrics each sample carries a `_total` suffix).
@@ -339,3 +343,83 @@ def run_offline(
         "accepted_per_pos": counters.accepted_per_pos,
         **counters.rates(),
     }
+
+
+# ---- export -------------------------------------------------------------------------------
+
+VLLM_MLA_DRAFT = "Eagle3DeepseekV2ForCausalLM"
+_EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def export_draft(pair: ModelPair, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write `pair.draft` as vLLM's `Eagle3DeepseekV2ForCausalLM` loads it (eagle3_mla.md §1-2).
+
+    config.json follows the public Kimi-K2.5 MLA draft layout. Tensors: `fc.weight`,
+    `layers.0.*`, `norm.weight`, `lm_head.weight` and, for a reduced draft vocabulary, `d2t`;
+    no `model.` prefix. `lm_head` is always written (the verifier's, copied, when the draft
+    shares it) because SGLang only takes the target's head when `draft_vocab_size` is absent,
+    and we always write it. `embed_tokens` is never written: vLLM shares the target's table when
+    it is absent, and SGLang and lmdeploy use the target's table regardless.
+    Returns the output directory.
+    """
+    import torch
+
+    from workbench.checkpoint import save_state
+
+    draft = getattr(pair, "draft", None)
+    where = getattr(pair, "draft_dir", None) or "draft"
+    if draft is None:
+        raise ValueError("export_draft: the pair has no draft; expected a pair loaded with an MLA draft")
+    cfg = draft.config
+    if cfg.attention != "mla":
+        raise ValueError(
+            f"{where}: the draft is {cfg.architecture} ({cfg.attention.upper()} attention); vLLM's "
+            f"{VLLM_MLA_DRAFT} builds an MLA layer (q_a/kv_a/kv_b projections) and cannot load it; "
+            f"expected an MLA draft")
+    if not cfg.use_aux_hidden_state:
+        raise ValueError(f"{where}: eagle_config.use_aux_hidden_state is false (no fc); expected an EAGLE-3 "
+                         f"draft that fuses three verifier states, which is what {VLLM_MLA_DRAFT} builds")
+    if dtype not in _EXPORT_DTYPES:
+        raise ValueError(f"export_draft: dtype = {dtype!r}; expected one of {', '.join(_EXPORT_DTYPES)}")
+    torch_dtype = getattr(torch, dtype)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in draft.state_dict().items():
+        if name == "embed_tokens.weight":
+            shared = draft._shared.get("embed_tokens")
+            if shared is None or not torch.equal(t, shared.weight.to(t.dtype)):
+                raise ValueError(
+                    f"{where}: tensor 'embed_tokens.weight' differs from the verifier's embedding; the vLLM "
+                    f"export carries no embed_tokens (servers embed with the target's table), so it would "
+                    f"not be this draft; expected a draft that shares the verifier's embedding")
+            continue
+        tensors[name] = t.to(torch_dtype) if t.is_floating_point() else t
+    if "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = draft.part("lm_head").weight.to(torch_dtype)
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        tensors["d2t"] = draft.d2t.to(torch.int64)
+    head = tuple(tensors["lm_head.weight"].shape)
+    if head != (cfg.draft_vocab_size, cfg.hidden_size):
+        raise ValueError(f"{where}: lm_head has shape {head}; expected "
+                         f"({cfg.draft_vocab_size}, {cfg.hidden_size}) = (draft_vocab_size, hidden_size)")
+
+    config = cfg.to_hf()
+    config.update(
+        architectures=[VLLM_MLA_DRAFT],
+        model_type=cfg.model_type if cfg.model_type in ("kimi_k2", "deepseek_v3", "deepseek_v2") else "deepseek_v3",
+        num_hidden_layers=1,
+        draft_vocab_size=cfg.draft_vocab_size,
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
+    )
+    config.pop("n_routed_experts", None)  # the draft layer is dense; transformers 5 refuses a null here
+    if cfg.rope_scaling:
+        # rope_theta inside too: vLLM's draft layer copies rope_scaling into rope_parameters, and newer
+        # vLLM reads the base from there (eagle3_mla.md §4, "verify" note).
+        config["rope_scaling"] = dict(cfg.rope_scaling, rope_type="yarn", rope_theta=cfg.rope_theta)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_state(tensors, out)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
