@@ -1,0 +1,85 @@
+"""Attention kernels for the MLA draft and verifier, with one dispatching entry point.
+
+`mla_attention` runs absorbed-MLA attention over the latent cache (decode: Sq = 1,
+speculative verification: Sq = k+1) on either backend:
+
+* "torch"  -> `reference.mla_attention_torch`, fp32 PyTorch; the CPU path and the oracle;
+* "triton" -> `triton_mla.mla_attention_triton`, the split-KV Triton kernel, on CUDA
+  tensors, or on CPU tensors under the Triton interpreter (`TRITON_INTERPRET=1`);
+* "auto"   -> Triton for CUDA tensors when triton imports, else the twin.
+
+Triton and the kernel module are imported lazily so this package imports on machines
+without triton (macOS, aarch64 wheels, minimal CPU installs). The kernel file is
+`triton_mla.py`, not `mla_attention.py`: importing a submodule binds its name on this
+package, which would replace the `mla_attention` function with a module object.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from workbench.kernels.reference import mla_attention_torch
+
+__all__ = ["mla_attention", "mla_attention_torch", "resolve_backend", "triton_available"]
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Whether `import triton` works here (cached: importing it takes about a second)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install failing inside triton's own imports
+        return False
+    return True
+
+
+def _interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """Map "auto"/"torch"/"triton" and the tensors' device to "torch" or "triton".
+
+    Raises ValueError for an unknown name and RuntimeError when "triton" cannot run here.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"workbench/kernels/__init__.py: backend must be one of {BACKENDS}, "
+                         f"got {backend!r}")
+    device = torch.device(device)
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if not triton_available():
+        raise RuntimeError("workbench/kernels/__init__.py: backend='triton' but triton does not "
+                           "import; install triton or use backend='torch'")
+    if device.type == "cuda":
+        return "triton"
+    if device.type == "cpu" and _interpreter_requested():
+        return "triton"
+    raise RuntimeError(f"workbench/kernels/__init__.py: backend='triton' on {device.type} tensors "
+                       "needs a CUDA device, or TRITON_INTERPRET=1 set before triton is imported "
+                       "(CPU interpreter, slow; for tests)")
+
+
+def mla_attention(q_lat: Tensor, q_pe: Tensor, cache: Tensor, seq_lens: Tensor, sm_scale: float,
+                  *, block_table: Tensor | None = None, num_kv_splits: int | None = None,
+                  backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """Absorbed-MLA attention over the latent cache; returns (out [B,Sq,H,L], lse [B,Sq,H]).
+
+    See `reference.py` for the math: q_lat [B,Sq,H,L], q_pe [B,Sq,H,R], cache rows
+    [c_kv | k_pe] (contiguous [B,S_max,L+R] or paged [blocks,page,L+R] + block_table [B,max_blocks]),
+    seq_lens [B] counting the Sq new tokens, bottom-right-aligned causal mask, fp32 lse.
+    """
+    if resolve_backend(backend, q_lat.device) == "torch":
+        return mla_attention_torch(q_lat, q_pe, cache, seq_lens, sm_scale,
+                                   block_table=block_table, num_kv_splits=num_kv_splits)
+    from workbench.kernels.triton_mla import mla_attention_triton
+
+    return mla_attention_triton(q_lat, q_pe, cache, seq_lens, sm_scale,
+                                block_table=block_table, num_kv_splits=num_kv_splits)
