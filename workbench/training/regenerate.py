@@ -35,17 +35,25 @@ def continue_batch(verifier: Verifier, prompts: torch.Tensor, new_tokens: int, t
     return torch.cat(out, dim=1)
 
 
-def regenerate(verifier: Verifier, stream: torch.Tensor, num_sequences: int, prompt_len: int = 32,
+def regenerate(verifier: Verifier, stream: torch.Tensor | list[list[int]], num_sequences: int, prompt_len: int = 32,
                new_tokens: int = 224, batch: int = 32, temperatures: tuple[float, ...] = (0.0,),
                seed: int = 0, log=print) -> list[list[int]]:
-    """`num_sequences` verifier continuations of prompts drawn from `stream` (cycling temperatures)."""
+    """`num_sequences` verifier continuations (cycling temperatures) of prompts: windows drawn from
+    a token `stream`, or the last `prompt_len` tokens of each prompt in a list of token lists."""
     rng = random.Random(seed)
     gen = torch.Generator(device=verifier.device).manual_seed(seed)
+    if isinstance(stream, list):
+        pool = [p[-prompt_len:] for p in stream if len(p) >= prompt_len]
+        rng.shuffle(pool)
+        num_sequences = min(num_sequences, len(pool))
     seqs: list[list[int]] = []
     for i in range(0, num_sequences, batch):
         n = min(batch, num_sequences - i)
-        starts = [rng.randrange(0, len(stream) - prompt_len) for _ in range(n)]
-        prompts = torch.stack([stream[s:s + prompt_len] for s in starts]).to(verifier.device)
+        if isinstance(stream, list):
+            prompts = torch.tensor(pool[i:i + n], device=verifier.device)
+        else:
+            starts = [rng.randrange(0, len(stream) - prompt_len) for _ in range(n)]
+            prompts = torch.stack([stream[s:s + prompt_len] for s in starts]).to(verifier.device)
         temp = temperatures[(i // batch) % len(temperatures)]
         seqs += continue_batch(verifier, prompts, new_tokens, temp, gen).tolist()
         log(f"regenerated {len(seqs)}/{num_sequences} sequences (temperature {temp})")
@@ -73,10 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--temperatures", default="0,0,0.7", help="cycled over batches")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", default="windows", choices=["windows", "docstrings"],
+                    help="random windows of the train split, or its functions cut after their docstrings")
     a = ap.parse_args(argv)
     verifier = wb.load_verifier(a.verifier, dtype="float32")
     tok = Tokenizer.from_dir(a.verifier)
-    seqs = regenerate(verifier, corpus_stream(tok, "stdlib"), a.sequences, a.prompt_len, a.new_tokens, a.batch,
+    if a.prompts == "docstrings":
+        from workbench.training.corpus import docstring_prompts
+
+        source = [tok.encode(r["prompt"]) for r in docstring_prompts("train", limit=100_000)]
+    else:
+        source = corpus_stream(tok, "stdlib")
+    seqs = regenerate(verifier, source, a.sequences, a.prompt_len, a.new_tokens, a.batch,
                       tuple(float(t) for t in a.temperatures.split(",")), a.seed,
                       log=lambda s: print(s, file=sys.stderr))
     with open(a.out, "w") as f:
