@@ -42,8 +42,9 @@ class SamplingParams:
 
 
 def check_finite(logits: torch.Tensor, where: str) -> None:
-    if not torch.isfinite(logits).any(-1).all() or torch.isnan(logits).any():
-        raise SamplingError(f"{where}: the logits contain NaN (or no finite value); the model's weights or "
+    """-inf is a masked token; NaN, +inf (softmax turns it into NaN) or a row with no finite value is an error."""
+    if not torch.isfinite(logits).any(-1).all() or torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise SamplingError(f"{where}: the logits contain NaN or +inf (or no finite value); the model's weights or "
                             "inputs are broken (a corrupt checkpoint, or an overflow in this dtype)")
 
 

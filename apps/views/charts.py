@@ -1,0 +1,160 @@
+"""Plotly figures for the dashboard pages: plain functions from library results to figures.
+
+Not a page; kept apart so each page file reads as widgets -> library call -> figures.
+"""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+SOURCE_NAMES = ("low", "mid", "high")
+
+
+def _layout(fig: go.Figure, title: str, x: str, y: str) -> go.Figure:
+    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, height=340, margin=dict(l=40, r=10, t=50, b=40),
+                      legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def source_label(i: int, layer: int) -> str:
+    name = SOURCE_NAMES[i] if i < len(SOURCE_NAMES) else f"#{i}"
+    return f"{name} (layer {layer})"
+
+
+# ---- tuning ---------------------------------------------------------------------------------
+
+
+def accept_length_fig(result) -> go.Figure:
+    fig = go.Figure()
+    for t in result.temperatures:
+        pts = [p for p in result.points if p.temperature == t and p.k > 0]
+        fig.add_scatter(x=[p.k for p in pts], y=[p.accept_length for p in pts], mode="lines+markers", name=f"T={t}")
+    fig.add_scatter(x=result.ks, y=[k + 1 for k in result.ks], mode="lines", name="ceiling k+1",
+                    line=dict(dash="dot", color="gray"))
+    return _layout(fig, "Accept length (1 + accepted / drafts)", "k", "tokens per verifier step")
+
+
+def throughput_fig(result) -> go.Figure:
+    fig = go.Figure()
+    for t in result.temperatures:
+        pts = [p for p in result.points if p.temperature == t]
+        fig.add_scatter(x=[p.k for p in pts], y=[p.tokens_per_s for p in pts], mode="lines+markers", name=f"T={t}")
+    return _layout(fig, "Tokens/s (k = 0 is autoregressive)", "k", "tokens/s")
+
+
+def speedup_fig(result, temperature: float, rec) -> go.Figure:
+    pts = [p for p in result.points if p.temperature == temperature]
+    fig = go.Figure()
+    ks = sorted(rec.predicted)
+    c = result.c(temperature)
+    fig.add_scatter(x=ks, y=[rec.predicted[k] for k in ks], mode="lines", name=f"model E(k)/(1+k·c), c={c:.3f}",
+                    line=dict(dash="dash"))
+    fig.add_scatter(x=[p.k for p in pts], y=[p.speedup for p in pts], mode="markers", name="measured speedup",
+                    marker=dict(size=11))
+    fig.add_vline(x=rec.k, line=dict(color="green", dash="dot"), annotation_text=f"recommended k={rec.k}")
+    return _layout(fig, f"Speedup vs autoregressive (T={temperature})", "k", "x autoregressive")
+
+
+def per_position_fig(point) -> go.Figure:
+    s = point.stats
+    pos = list(range(1, len(s.per_position_acceptance) + 1))
+    fig = go.Figure()
+    fig.add_bar(x=pos, y=s.per_position_acceptance, name="unconditional (vLLM: per_pos / drafts)")
+    fig.add_bar(x=pos, y=s.conditional_acceptance, name="conditional (EAGLE's alpha)")
+    fig.update_yaxes(range=[0, 1])
+    return _layout(fig, f"Per-position acceptance at k={point.k}", "draft position", "rate")
+
+
+def histogram_fig(point) -> go.Figure:
+    h = point.stats.accepted_length_histogram
+    fig = go.Figure(go.Bar(x=list(range(len(h))), y=h, name="steps"))
+    return _layout(fig, f"Accepted proposals per step at k={point.k}", "accepted", "steps")
+
+
+# ---- fusion ---------------------------------------------------------------------------------
+
+
+def shares_fig(report) -> go.Figure:
+    x = list(range(len(report.tokens)))
+    fig = go.Figure()
+    for s, layer in enumerate(report.aux_layer_ids):
+        fig.add_bar(x=x, y=[r[s] for r in report.shares], name=source_label(s, layer),
+                    hovertext=[repr(t) for t in report.token_texts])
+    fig.update_layout(barmode="stack")
+    fig.add_vline(x=report.num_prompt_tokens - 0.5, line=dict(color="black", dash="dot"),
+                  annotation_text="generated →")
+    return _layout(fig, "Norm share ||W_s h_s|| / Σ ||W_s h_s|| per token", "token", "share")
+
+
+def per_token_lines_fig(report, values: list[list[float]], title: str, y: str) -> go.Figure:
+    fig = go.Figure()
+    for s, layer in enumerate(report.aux_layer_ids):
+        fig.add_scatter(x=list(range(len(values))), y=[r[s] for r in values], mode="lines",
+                        name=source_label(s, layer), hovertext=[repr(t) for t in report.token_texts])
+    return _layout(fig, title, "token", y)
+
+
+def block_norms_fig(report) -> go.Figure:
+    names = [source_label(s, layer) for s, layer in enumerate(report.aux_layer_ids)]
+    fig = go.Figure(go.Bar(x=names, y=report.block_norms))
+    return _layout(fig, "fc block norms ||W_s||_F", "aux source", "Frobenius norm")
+
+
+def ablation_fig(ablation) -> go.Figure:
+    fig = go.Figure()
+    for mode in dict.fromkeys(e.mode for e in ablation.entries):
+        es = [e for e in ablation.entries if e.mode == mode]
+        fig.add_bar(x=[source_label(e.source, e.layer_id) for e in es], y=[e.accept_length for e in es], name=mode)
+    fig.add_hline(y=ablation.baseline, line=dict(dash="dash"), annotation_text=f"intact {ablation.baseline:.3f}")
+    return _layout(fig, f"Accept length with one source ablated (k={ablation.k})", "aux source", "accept length")
+
+
+# ---- doctor ---------------------------------------------------------------------------------
+
+
+def probes_fig(report) -> go.Figure:
+    ran = [p for p in [report.configured, *report.probes] if p.accept_length is not None]
+    colors = ["#1f77b4" if p.name == "configured" else ("#d62728" if p.flagged else "#7f7f7f") for p in ran]
+    fig = go.Figure(go.Bar(x=[p.name for p in ran], y=[p.accept_length for p in ran], marker_color=colors,
+                           hovertext=[p.description for p in ran]))
+    return _layout(fig, f"Greedy accept length, configured vs alternatives (k={report.k})", "", "accept length")
+
+
+# ---- KV cache -------------------------------------------------------------------------------
+
+
+def kv_fig(rows: list[dict], batch: int) -> go.Figure:
+    sel = [r for r in rows if r["batch"] == batch]
+    ctx = [r["context"] for r in sel]
+    fig = go.Figure()
+    for col, name in (("verifier_bytes", "verifier"), ("draft_bytes", "MLA draft"), ("mha_draft_bytes", "MHA draft")):
+        fig.add_bar(x=[str(c) for c in ctx], y=[r[col] / 2**30 for r in sel], name=name)
+    return _layout(fig, f"KV-cache GiB at batch {batch}", "context (tokens)", "GiB")
+
+
+# ---- live vLLM ------------------------------------------------------------------------------
+
+
+def live_figs(tracker) -> list[go.Figure]:
+    """Per-interval accept length, per-position acceptance, draft acceptance rate, throughput."""
+    ivs = tracker.intervals
+    t0 = ivs[0].t0
+    x = [iv.t1 - t0 for iv in ivs]
+    idle = [iv.num_drafts == 0 for iv in ivs]  # nothing drafted: rates are undefined, leave a gap
+
+    def gap(values):
+        return [None if i else v for v, i in zip(values, idle)]
+
+    al = go.Figure(go.Scatter(x=x, y=gap([iv.accept_length for iv in ivs]), mode="lines+markers"))
+    pos = go.Figure()
+    k = max((len(iv.per_position_acceptance) for iv in ivs), default=0)
+    for i in range(k):
+        pos.add_scatter(x=x, y=gap([iv.per_position_acceptance[i] if i < len(iv.per_position_acceptance) else None
+                                    for iv in ivs]), mode="lines+markers", name=f"position {i}")
+    rate = go.Figure(go.Scatter(x=x, y=gap([iv.draft_acceptance_rate for iv in ivs]), mode="lines+markers"))
+    tput = go.Figure()
+    tput.add_scatter(x=x, y=[iv.accepted_throughput for iv in ivs], mode="lines+markers", name="accepted")
+    tput.add_scatter(x=x, y=[iv.drafted_throughput for iv in ivs], mode="lines+markers", name="drafted")
+    return [_layout(al, "Mean acceptance length per interval", "seconds", "1 + accepted / drafts"),
+            _layout(pos, "Per-position acceptance (per_pos / drafts)", "seconds", "rate"),
+            _layout(rate, "Draft acceptance rate (accepted / drafted)", "seconds", "rate"),
+            _layout(tput, "Draft tokens per second", "seconds", "tokens/s")]

@@ -1,0 +1,56 @@
+"""Doctor: static checks and acceptance probes for a silently misconfigured draft/verifier pairing."""
+import json
+
+import pandas as pd
+import streamlit as st
+
+from views import charts
+from views.prompt_sets import pick_prompts
+from workbench.analysis.doctor import MARGIN_ABS, MARGIN_REL, MIN_ACCEPT, diagnose, static_checks
+
+STATUS_ICON = {"ok": "✅", "warn": "⚠️", "fail": "❌", "info": "ℹ️"}
+
+st.title("Pairing doctor")
+pair, lock = st.session_state.get("pair"), st.session_state.get("lock")
+if pair is None:
+    st.error("Load a pair in the sidebar first.")
+    st.stop()
+
+st.subheader("Static checks")
+checks = static_checks(pair)
+st.dataframe(pd.DataFrame([{"": STATUS_ICON[c.status], "check": c.name, "detail": c.detail} for c in checks]),
+             key="doctor_checks", hide_index=True)
+if pair.draft is None:
+    st.stop()
+
+st.subheader("Acceptance probes")
+st.caption(f"Greedy accept length of the configured pairing and of each alternative (aux ids ±1, RoPE pairing, "
+           f"pre/post-norm feedback, own vs verifier embedding). An alternative is flagged when it beats the "
+           f"configured one by more than {MARGIN_ABS} and {MARGIN_REL:.0%}; a configured accept length below "
+           f"{MIN_ACCEPT} is flagged as misconfigured.")
+prompts = pick_prompts("doctor")
+c1, c2 = st.columns(2)
+k = c1.number_input("k", 1, 8, 3, key="doctor_k")
+max_new = c2.number_input("max_new_tokens", 1, 512, 32, key="doctor_max_new")
+if st.button("Run the probes", type="primary", key="doctor_run"):
+    bar = st.progress(0.0, text="waiting for the model")
+    with lock:
+        report = diagnose(pair, prompts, k=int(k), max_new_tokens=int(max_new),
+                          progress=lambda i, n, s: bar.progress(i / n, text=s))
+    bar.empty()
+    st.session_state["doctor_report"] = (st.session_state["pair_key"], report)
+key, report = st.session_state.get("doctor_report", (None, None))
+if report is None or key != st.session_state["pair_key"]:
+    st.stop()
+
+if report.ok:
+    st.success(f"No problems found: configured accept length {report.configured.accept_length:.3f} and no "
+               "alternative does clearly better.")
+else:
+    st.error("Problems found:\n\n" + "\n".join(f"- {f}" for f in report.flags))
+st.plotly_chart(charts.probes_fig(report), key="doctor_fig_probes")
+st.dataframe(pd.DataFrame([{"probe": p.name, "accept length": p.accept_length, "delta": p.delta,
+                            "flagged": p.flagged, "skipped": p.skipped or "", "what it tests": p.description}
+                           for p in [report.configured, *report.probes]]), key="doctor_probes", hide_index=True)
+st.download_button("Download JSON", json.dumps(report.to_dict(), indent=1), "doctor.json", "application/json",
+                   key="doctor_json")

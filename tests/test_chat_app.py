@@ -1,0 +1,361 @@
+"""apps/chat.py: the rendering and turn logic as plain functions, the API through gradio_client,
+four users at once, and what a person sees in a real headless Chromium.
+
+Everything runs on the embedded pair in fp32 with short answers; with random weights nearly every
+proposal is rejected, so most steps end in a correction (the prefill token is a bonus).
+"""
+import functools
+import math
+import socket
+import sys
+import threading
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gradio")
+pytest.importorskip("plotly")
+
+import workbench as wb  # noqa: E402
+from workbench.analysis.metrics import compute_stats  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "apps"))
+import chat  # noqa: E402
+
+NEW = 24  # max_new_tokens everywhere: short answers keep the file fast on a shared CPU
+LONG = 400  # the answer the browser test stops midway
+PROMPT = "def fibonacci(n):\n    if n < 2:\n"
+
+
+class _Spans(HTMLParser):
+    """Every element's tag, attributes and the text directly inside it, parsed like a browser would."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.elements: list[tuple[str, dict, list[str]]] = []
+        self.stack: list[list[str]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.elements.append((tag, dict(attrs), []))
+        self.stack.append(self.elements[-1][2])
+
+    def handle_endtag(self, tag):
+        self.stack.pop()
+
+    def handle_data(self, data):
+        if self.stack:
+            self.stack[-1].append(data)
+
+    @classmethod
+    def of(cls, markup: str) -> "_Spans":
+        p = cls()
+        p.feed(markup)
+        p.close()
+        return p
+
+    def spans(self) -> list[tuple[dict, str]]:
+        return [(attrs, "".join(text)) for tag, attrs, text in self.elements if tag == "span"]
+
+
+def _events() -> list[wb.StepEvent]:
+    """A prefill with markup in it, and a step that accepted 1 of 3 proposals, all whitespace-heavy."""
+    prefill = wb.StepEvent(step=0, kind="prefill", emitted=[5], emitted_text=["<script>alert(1)</script>"],
+                           emitted_status=["bonus"], emitted_verifier_probs=[0.5])
+    spec = wb.StepEvent(step=1, kind="spec", proposed=[7, 8, 9], proposed_text=["  a", "\n\tb", "c & d"],
+                        draft_probs=[0.9, 0.25, 0.125], verifier_probs=[0.8, 0.0625, 0.03125], num_accepted=1,
+                        emitted=[7, 11], emitted_text=["  a", "\n    x"], emitted_status=["accepted", "corrected"],
+                        emitted_verifier_probs=[0.8, 0.375])
+    return [prefill, spec]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """One intra-op thread for this file: on the shared 2-core machine two threads per op spin-wait
+    for each other under load and ran a generation >10x slower (measured: 6 s vs 100 s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- pure functions --------------------------------------------------------------------------
+
+
+def test_render_tokens_escapes_markup_and_keeps_whitespace():
+    markup = chat.render_tokens(_events())
+    assert "<script>" not in markup and "&lt;script&gt;" in markup
+    spans = _Spans.of(markup).spans()
+    assert [t for _, t in spans] == ["<script>alert(1)</script>", "  a", "\n    x"]  # exact, whitespace kept
+    assert [a["data-status"] for a, _ in spans] == ["bonus", "accepted", "corrected"]
+    assert [a["data-step"] for a, _ in spans] == ["0", "1", "1"]
+    titles = [a["title"] for a, _ in spans]
+    assert "q (draft) = 0.9" in titles[1] and "p (verifier) = 0.8" in titles[1] and "step 1" in titles[1]
+    assert "q (draft) = n/a" in titles[2] and "p (verifier) = 0.375" in titles[2]
+    answer = chat.render_answer("x < y\n  ", _events())
+    assert 'class="wb-answer" style="white-space: pre-wrap"' in answer
+    assert "<kbd class=\"wb-prompt\">x &lt; y\n  </kbd>" in answer
+
+
+def test_history_is_exact_escaped_text():
+    history = [{"role": "user", "content": "<b>{{x}}</b>\n  ${y}"}, {"role": "assistant", "content": " a &\n\tb"}]
+    elements = _Spans.of(chat.history_html(history)).elements
+    assert [("".join(t)) for tag, _, t in elements if tag == "pre"] == [m["content"] for m in history]
+    assert not any(tag == "b" for tag, _, _ in elements)
+
+
+def test_rejected_spans_only_when_asked():
+    assert all(a["data-status"] != "rejected" for a, _ in _Spans.of(chat.render_tokens(_events())).spans())
+    spans = _Spans.of(chat.render_tokens(_events(), show_rejected=True)).spans()
+    # the rejected proposals proposed[num_accepted:] sit between the accepted run and the correction
+    assert [(a["data-status"], t) for a, t in spans] == [
+        ("bonus", "<script>alert(1)</script>"), ("accepted", "  a"), ("rejected", "\n\tb"), ("rejected", "c & d"),
+        ("corrected", "\n    x")]
+    assert "q (draft) = 0.125" in spans[3][0]["title"] and "p (verifier) = 0.0312" in spans[3][0]["title"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The app's own shared pair (the embedded one in fp32), so the app and the tests load it once."""
+    return chat.get_pair(chat.PairSpec())
+
+
+@functools.lru_cache(maxsize=None)
+def _library(prompt: str, k: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> wb.GenerationResult:
+    """What `workbench generate --json --k K --seed S` returns for `prompt` (computed once per file)."""
+    return wb.SpecDecoder(chat.get_pair(chat.PairSpec()), k, temperature, top_p, seed=seed).generate(prompt, NEW)
+
+
+def test_real_stream_renders_every_emitted_token(pair):
+    res = _library(PROMPT, 3)
+    spans = _Spans.of(chat.render_tokens(res.events, show_rejected=True)).spans()
+    shown = [(a["data-status"], int(a["data-step"]), t) for a, t in spans if a["data-status"] != "rejected"]
+    expected = [(s, e.step, t) for e in res.events for s, t in zip(e.emitted_status, e.emitted_text)]
+    assert shown == expected
+    assert "".join(t for _, _, t in shown) == res.text
+    rejected = sum(1 for a, _ in spans if a["data-status"] == "rejected")
+    assert rejected == sum(e.k - e.num_accepted for e in res.events if e.kind == "spec" and e.correction is not None)
+
+
+def test_stats_figures_show_the_library_numbers(pair):
+    events = wb.SpecDecoder(pair, 4, proposer="ngram").generate("a = 1\nb = 1\na = 1\nb = 1\na =", NEW).events
+    s = compute_stats(events)
+    bars, hist = chat.stats_figures(events)
+    assert list(bars.data[0].y) == s.per_position_acceptance and list(bars.data[1].y) == s.conditional_acceptance
+    assert list(hist.data[0].y) == s.accepted_length_histogram and sum(hist.data[0].y) == s.num_drafts
+    empty_bars, _ = chat.stats_figures([])
+    assert len(empty_bars.data[0].y) == 0 and empty_bars.layout.annotations  # "no speculative steps yet"
+
+
+@pytest.mark.parametrize("args, field", [
+    ((9, 0, 1, 10, 0), "num_speculative_tokens"), ((0, 0, 1, 10, 0), "num_speculative_tokens"),
+    ((2.5, 0, 1, 10, 0), "num_speculative_tokens"), ((2, math.nan, 1, 10, 0), "temperature"),
+    ((2, -1, 1, 10, 0), "temperature"), ((2, 0, 0, 10, 0), "top_p"), ((2, 0, 1, 0, 0), "max_new_tokens"),
+    ((2, 0, 1, 10, -3), "seed")])
+def test_bad_settings_name_the_field(args, field):
+    with pytest.raises(wb.RequestError, match=field):
+        chat.make_settings(*args)
+
+
+def test_turns_race_and_conversation_stats(pair):
+    conv = chat.Conversation(history=[{"role": "user", "content": PROMPT}])
+    s = chat.make_settings(3.0, 0, 1, NEW, 0, True)
+    phases = [(a.phase, len(a.events)) for a in chat.run_turn(pair, conv, s, race=True)]
+    answer = conv.answers[-1]
+    assert [n for _, n in phases[:-2]] == list(range(1, len(answer.events) + 1))  # one update per step
+    assert [p for p, _ in phases] == ["speculative"] * len(answer.events) + ["baseline", "done"]
+    assert answer.text == _library(PROMPT, 3).text == conv.history[-1]["content"]
+    assert answer.baseline_text == wb.generate_autoregressive(pair, PROMPT, NEW).text
+    verdict = _Spans.of(chat.race_html(answer)).spans()[0]
+    assert verdict[0]["id"] == "race-verdict" and verdict[1] == "identical"  # greedy is lossless
+    conv.history.append({"role": "user", "content": "x = ["})
+    off = list(chat.run_turn(pair, conv, chat.make_settings(3, 0, 1, 8, 0, False)))[-1]
+    assert off.text == wb.generate_autoregressive(pair, "x = [", 8).text
+    spec_steps = [e for e in answer.events if e.kind == "spec"]
+    assert conv.spec_events() == answer.events and conv.autoregressive_events() == answer.baseline + off.events
+    table = chat.stats_html(conv, off)
+    assert f"<td>speculative steps</td><td>0</td><td>{len(spec_steps)}</td>" in table
+
+
+def test_errors_leave_the_conversation_unchanged(pair):
+    conv = chat.Conversation(history=[{"role": "user", "content": " ".join(map(str, range(3000)))}])  # > 2048 tokens
+    with pytest.raises(wb.RequestError, match="context"):
+        list(chat.run_turn(pair, conv, chat.Settings(k=2, max_new_tokens=4)))
+    assert conv.answers == [] and len(conv.history) == 1
+
+
+def test_command_line_defaults_are_private_and_exact():
+    args = chat.parse_args([])
+    assert (args.host, args.port, args.share, args.dtype, args.max_concurrency) == ("127.0.0.1", 7860, False,
+                                                                                     "float32", 4)
+    args = chat.parse_args(["--verifier", "v", "--draft", "d", "--device", "cuda", "--dtype", "bfloat16",
+                            "--port", "8000", "--host", "0.0.0.0", "--share", "--max-concurrency", "2"])
+    assert (args.verifier, args.draft, args.device, args.dtype, args.port, args.host, args.share,
+            args.max_concurrency) == ("v", "d", "cuda", "bfloat16", 8000, "0.0.0.0", True, 2)
+    with pytest.raises(SystemExit):
+        chat.parse_args(["--max-concurrency", "0"])
+
+
+# ---- the running app -------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(pair):
+    demo = chat.build_demo(chat.PairSpec(), defaults=chat.Settings(k=2, max_new_tokens=NEW))
+    url = chat.launch(demo, host="127.0.0.1", port=_free_port(), max_concurrency=4, block=False)
+    yield url
+    demo.close()
+
+
+def _client(url: str):
+    """A gradio_client with room for a loaded machine (httpx's default read timeout is 5 s)."""
+    from gradio_client import Client
+
+    return Client(url, verbose=False, httpx_kwargs={"timeout": 120})
+
+
+def test_api_matches_the_library(app_url, pair):
+    client = _client(app_url)
+    for k, temperature, top_p, seed in [(3, 0.0, 1.0, 0), (2, 0.9, 0.95, 7)]:
+        text, info = client.predict(PROMPT, k, temperature, top_p, NEW, seed, True, api_name="/generate")
+        ref = _library(PROMPT, k, temperature, top_p, seed)
+        assert text == ref.text and info["k"] == k and info["num_tokens"] == len(ref.tokens)
+        assert info["stats"]["num_draft_tokens"] == ref.stats.num_draft_tokens
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="num_speculative_tokens"):
+        client.predict(PROMPT, 9, 0.0, 1.0, NEW, 0, True, api_name="/generate")
+
+
+def test_four_users_at_once_each_get_their_own_answer(app_url, pair):
+    results: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+
+    def user(k: int) -> None:
+        try:
+            results[k] = _client(app_url).predict(PROMPT, k, 0.0, 1.0, NEW, 0, True,
+                                                                api_name="/generate")
+        except BaseException as e:  # surfaced below; a thread's exception would be lost otherwise
+            errors.append(e)
+
+    threads = [threading.Thread(target=user, args=(k,)) for k in (1, 2, 3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors and sorted(results) == [1, 2, 3, 4]
+    for k, (text, info) in results.items():
+        ref = _library(PROMPT, k)
+        assert text == ref.text and info["k"] == k
+        assert info["stats"]["num_draft_tokens"] == ref.stats.num_draft_tokens  # this user's k, not another's
+    assert len({text for text, _ in results.values()}) == 1  # greedy is lossless: the same text for every k
+
+
+# ---- a real browser --------------------------------------------------------------------------
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+_PROGRESS = """() => [document.querySelectorAll('#tokens span[data-status]').length,
+                      document.querySelector('#run-state').dataset.state]"""
+
+
+def _send(page, prompt: str) -> None:
+    page.locator("#prompt textarea").fill(prompt)
+    page.locator("#send").click()
+
+
+def _answer(page, prompt: str, answers_before: int) -> None:
+    """Send `prompt` and wait until its answer is complete (one more assistant message, state done)."""
+    _send(page, prompt)
+    page.wait_for_function(f"""() => document.querySelectorAll('#history [data-role="assistant"]').length
+                                     === {answers_before + 1} && document.querySelector('#run-state')
+                                     .dataset.state === 'done'""")
+
+
+def _stream_then_stop(page) -> None:
+    """Tokens arrive step by step (two span counts seen while the run is going), and Stop cancels
+    the run: the state says so and no more tokens arrive."""
+    _set_max_new(page, LONG)  # long enough that the answer cannot finish before Stop lands
+    _send(page, "import sys\n")
+    page.wait_for_selector('#run-state[data-state="running"]')
+    seen: set[int] = set()
+    while len(seen) < 2:
+        n, state = page.evaluate(_PROGRESS)
+        assert state == "running", f"the answer ended before two updates were seen (span counts {seen})"
+        seen |= {n} - {0}
+        time.sleep(0.01)
+    page.locator("#stop").click()
+    page.wait_for_selector('#run-state[data-state="stopped"]')
+    n = page.locator("#tokens span[data-status]").count()
+    time.sleep(2.0)  # a run that kept going would have added steps by now
+    assert page.locator("#tokens span[data-status]").count() == n < LONG
+    assert page.locator("#run-state").get_attribute("data-state") == "stopped"
+    _set_max_new(page, NEW)
+
+
+def _set_max_new(page, n: int) -> None:
+    box = page.locator("#max-new input[type=number]")
+    box.fill(str(n))
+    box.press("Enter")
+    box.blur()
+    assert box.input_value() == str(n)
+
+
+def _error_is_shown(page) -> None:
+    """A prompt over the context is reported in the page (and the app keeps serving)."""
+    _send(page, " ".join(map(str, range(3000))))
+    page.wait_for_selector('#run-state[data-state="error"]')
+    assert "context" in page.locator("#run-state").text_content()
+
+
+@pytest.mark.browser
+def test_browser_streams_colours_and_matches_generate(app_url, pair):
+    """What a person sees: streaming, Stop, an error, colours, exact text, a race verdict; a screenshot."""
+    if not CHROMIUM.exists():
+        pytest.skip("no /usr/bin/chromium on this machine")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    prompts = [PROMPT, "<b>{{x}}</b> ${y} & `z`\n\t  "]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(120_000)  # a loaded shared CPU can take a while to start Gradio's frontend
+        page.goto(app_url)
+        page.wait_for_selector("#prompt textarea")
+        _stream_then_stop(page)
+        _error_is_shown(page)
+        statuses: set[str] = set()
+        for i, prompt in enumerate(prompts):
+            if i == 1:
+                page.locator("#show-rejected input").check()
+                page.locator("#race-mode input").check()
+            _answer(page, prompt, answers_before=1 + i)  # the stopped answer stays in the conversation
+            ref = _library(prompt, 2)
+            assert page.locator("#answer-text textarea").input_value() == ref.text
+            assert page.locator("#tokens kbd").text_content() == prompt  # markup shown as text, never executed
+            assert page.locator("#tokens b").count() == 0 and page.locator("#history b").count() == 0
+            messages = page.locator("#history pre").evaluate_all("els => els.map(e => e.textContent)")
+            assert messages[-2:] == [prompt, ref.text]  # the conversation keeps both, exactly
+            spans = page.locator("#tokens span[data-status]")
+            got = spans.evaluate_all("els => els.map(e => [e.dataset.status, e.dataset.step, e.textContent])")
+            statuses |= {s for s, _, _ in got}
+            assert "".join(t for s, _, t in got if s != "rejected") == ref.text
+            want_rejected = sum(e.k - e.num_accepted for e in ref.events if e.correction is not None) if i else 0
+            assert sum(s == "rejected" for s, _, _ in got) == want_rejected
+        assert page.locator("#race-verdict").text_content() == "identical"  # greedy race: same text both ways
+        assert len(statuses) >= 2 and statuses <= {"accepted", "corrected", "bonus", "rejected"}
+        shot = REPO / "assets" / "screenshots" / "chat.png"
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(shot), full_page=True)
+        browser.close()

@@ -1,0 +1,262 @@
+"""The Streamlit dashboard, page by page, headless (AppTest) on the real embedded pair, plus one real browser run.
+
+The Live vLLM page is driven against a real local HTTP server that serves prometheus_client
+output under vLLM's metric names, against a server without spec-decode metrics, and against
+a closed port.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from streamlit.testing.v1 import AppTest
+
+from conftest import REPO
+from test_doctor import one_thread  # noqa: F401  (autouse fixture)
+
+APP = str(REPO / "apps" / "dashboard.py")
+SCREENSHOT = REPO / "assets" / "screenshots" / "dashboard.png"
+CHROMIUM = "/usr/bin/chromium"
+TIMEOUT = 300  # seconds per script run: generation on a shared 2-core CPU
+
+
+@pytest.fixture
+def app():
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def on(at: AppTest, page: str) -> AppTest:
+    at.switch_page(page).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def charts(at: AppTest) -> list:
+    return list(at.get("plotly_chart"))
+
+
+def test_frame_and_tuning_page(app):
+    assert app.title[0].value == "Tuning: which k?"
+    assert app.text_input(key="verifier_dir").value == "" and app.slider(key="k_range").value == (1, 4)
+    assert "aux ids" in app.sidebar.caption[0].value
+    assert not charts(app) and "Run sweep" in app.info[0].value
+    app.number_input(key="tune_n").set_value(2)
+    app.number_input(key="tune_max_new").set_value(8)
+    app.slider(key="k_range").set_value((1, 2))
+    app.button(key="tune_run").click().run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert len(charts(app)) == 5  # accept length, tokens/s, speedup + model curve, per-position, histogram
+    assert [m.label for m in app.metric] == ["Recommended k (goodput model)", "Fastest measured k", "Autoregressive"]
+    verdict = [e.value for e in [*app.success, *app.warning]]
+    assert any(v.startswith("**Recommended k =") for v in verdict)
+    assert [b.label for b in app.get("download_button")] == ["Download CSV", "Download JSON"]
+    table = app.dataframe[0].value
+    assert list(table["k"]) == [0, 1, 2] and list(table["temperature"]) == [0.0] * 3
+    app.selectbox(key="tune_show_k").set_value(1).run()
+    assert not app.exception and len(charts(app)) == 5
+    app.button(key="tune_run").click().run()  # the same inputs again: a cache hit replays the progress bar
+    assert not app.exception, [e.value for e in app.exception]
+    assert len(charts(app)) == 5 and list(app.dataframe[0].value["k"]) == [0, 1, 2]
+
+
+def test_typed_and_bad_uploaded_prompts(app):
+    app.radio(key="tune_source").set_value("Type prompts").run()
+    assert not app.exception and app.number_input(key="tune_n").label == "Prompts to use (of 2)"
+    app.text_area(key="tune_typed").set_value("   \n---\n").run()
+    assert "Choose a prompt set" in app.info[0].value
+
+
+def test_fusion_page(app):
+    at = on(app, "views/fusion.py")
+    assert at.title[0].value == "Fusion layer inspector" and "entering" in at.caption[0].value
+    at.number_input(key="fusion_k").set_value(2)
+    at.number_input(key="fusion_max_new").set_value(6)
+    at.button(key="fusion_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(charts(at)) == 4  # shares, block norms, RMS, cosine
+    assert [m.label for m in at.metric][0] == "Accept length" and len(at.metric) == 4
+    assert list(at.dataframe[0].value["source"])[0].startswith("low (layer ")
+    at.multiselect(key="fusion_modes").set_value(["zero"])
+    at.number_input(key="fusion_max_new").set_value(4)
+    at.button(key="fusion_ablate").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "ablation at k=2" in at.text[0].value and len(charts(at)) == 1  # the inspection was for other settings
+
+
+def test_doctor_page(app):
+    at = on(app, "views/doctor.py")
+    checks = at.dataframe[0].value
+    assert "aux layer ids in range" in list(checks["check"])
+    at.number_input(key="doctor_n").set_value(1)
+    at.number_input(key="doctor_k").set_value(2)
+    at.number_input(key="doctor_max_new").set_value(5)
+    at.button(key="doctor_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(charts(at)) == 1
+    probes = at.dataframe[1].value
+    assert list(probes["probe"])[0] == "configured" and len(probes) == 6
+    verdict = [*at.success, *at.error]
+    assert len(verdict) == 1 and ("No problems" in verdict[0].value or "Problems found" in verdict[0].value)
+    assert at.get("download_button")[0].label == "Download JSON"
+
+
+def test_kv_cache_page(app):
+    at = on(app, "views/kv_cache.py")
+    assert [m.label for m in at.metric] == ["Verifier, per token", "MLA draft, per token", "MHA draft, per token"]
+    assert at.metric[0].value == "68.62 KiB"  # 61 layers x 576 values x 2 bytes
+    assert at.metric[1].value == "1.12 KiB" and at.metric[2].value == "28.00 KiB"  # 576 vs 2 x 7168 values
+    assert len(at.dataframe[0].value) == 9 and len(charts(at)) == 1
+    measured = at.dataframe[1].value
+    assert list(measured["cache"]) == ["verifier", "MLA draft (loaded)", "MHA twin (assets/tiny-kimi/draft-mha)"]
+    assert all(measured["matches"]) and list(measured["dtype"]) == ["float32"] * 3
+    at.selectbox(key="kv_preset").set_value("Loaded pair").run()
+    assert not at.exception and at.metric[0].value == "1.25 KiB"  # 8 layers x (64 + 16) values x 2 bytes
+
+
+# ---- Live vLLM ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def metrics_server():
+    state = {"body": b""}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.end_headers()
+            self.wfile.write(state["body"])
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    state["url"] = f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
+    yield state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def vllm_body(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int], spec: bool = True) -> bytes:
+    reg = CollectorRegistry()
+    Counter("vllm:prompt_tokens", "prompt tokens", ["model_name", "engine"], registry=reg).labels("kimi", "0").inc(99)
+    if spec:
+        for name, v in (("num_drafts", drafts), ("num_draft_tokens", draft_tokens), ("num_accepted_tokens", accepted)):
+            Counter(f"vllm:spec_decode_{name}", name, ["model_name", "engine"], registry=reg).labels("kimi", "0").inc(v)
+        c = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "per pos", ["model_name", "engine", "position"],
+                    registry=reg)
+        for i, v in enumerate(per_pos):
+            c.labels("kimi", "0", str(i)).inc(v)
+    return generate_latest(reg)
+
+
+def live_page(app, url: str) -> AppTest:
+    at = on(app, "views/live_vllm.py")
+    at.toggle(key="live_auto").set_value(False)
+    at.text_input(key="live_url").set_value(url).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_live_vllm_real_server(app, metrics_server):
+    metrics_server["body"] = vllm_body(10, 30, 17, [8, 6, 3])
+    at = live_page(app, metrics_server["url"])
+    assert "First sample" in at.info[0].value and not charts(at)
+    assert at.metric[0].value == "2.700"  # 1 + 17 / 10 since the server started
+    metrics_server["body"] = vllm_body(18, 54, 30, [14, 10, 6])
+    at.button(key="live_poll").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    figs = charts(at)
+    assert len(figs) == 4
+    assert "8 drafts, 13 accepted of 24 drafted" in at.main.caption[-1].value  # the interval's deltas
+    assert at.metric[0].value == f"{1 + 30 / 18:.3f}"
+
+
+def test_live_vllm_without_spec_metrics(app, metrics_server):
+    metrics_server["body"] = vllm_body(0, 0, 0, [], spec=False)
+    at = live_page(app, metrics_server["url"])
+    assert "exposes no vllm:spec_decode_* counters" in at.warning[0].value and not charts(at)
+
+
+def test_live_vllm_closed_port(app):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/metrics"
+    sock.close()
+    at = live_page(app, url)
+    assert f"{url}: cannot reach the server" in at.error[0].value and not charts(at)
+
+
+# ---- a real browser -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.browser
+def test_browser_screenshot(tmp_path):
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # see one_thread: the server process shares the 2 cores too
+    server = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true", "--server.port", str(port),
+         "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                pytest.fail(f"streamlit did not start: {server.stdout.read().decode()[-2000:]}")
+            time.sleep(0.5)
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"http://127.0.0.1:{port}/", timeout=TIMEOUT * 1000)
+            page.get_by_role("button", name="Run sweep").wait_for(timeout=TIMEOUT * 1000)  # the pair is loaded
+            assert page.get_by_text("Live vLLM").count() == 1  # the navigation lists the pages
+            box = page.get_by_label("max_new_tokens")
+            box.fill("12")
+            box.press("Enter")
+            page.wait_for_timeout(1000)
+            page.get_by_role("button", name="Run sweep").click()
+            page.get_by_text("Recommended k =").first.wait_for(timeout=2 * TIMEOUT * 1000)
+            page.get_by_test_id("stPlotlyChart").nth(4).wait_for(timeout=TIMEOUT * 1000)
+            page.wait_for_timeout(2000)  # let plotly finish drawing
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+            browser.close()
+        assert shot.stat().st_size > 20_000
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, SCREENSHOT)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
