@@ -100,7 +100,7 @@ def ttt_loss(draft: Eagle3Draft, verifier: Verifier, ids: torch.Tensor, ttt_step
         denom = mask.sum().clamp_min(1)
         loss_i = (ce * mask).sum() / denom
         total = total + STEP_DECAY ** i * loss_i
-        losses.append(float(loss_i))
+        losses.append(float(loss_i.detach()))
         accs.append(float(((logits.argmax(-1) == tgt.argmax(-1)).float() * mask).sum() / denom))
         h = pre
         step_ids = shift_left(step_ids)
