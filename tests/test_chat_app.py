@@ -27,7 +27,8 @@ import chat  # noqa: E402
 
 NEW = 24  # max_new_tokens everywhere: short answers keep the file fast on a shared CPU
 LONG = 400  # the answer the browser test stops midway
-PROMPT = "def fibonacci(n):\n    if n < 2:\n"
+STOP_PROMPT = "x = [1, 2, 3, 4, 5, 6, 7, 8,"  # a list to continue: no code model ends it within a few tokens
+PROMPT = 'def add(a, b):\n    """Return the sum of a and b."""\n'
 
 
 class _Spans(HTMLParser):
@@ -287,7 +288,7 @@ def _stream_then_stop(page) -> None:
     """Tokens arrive step by step (two span counts seen while the run is going), and Stop cancels
     the run: the state says so and no more tokens arrive."""
     _set_max_new(page, LONG)  # long enough that the answer cannot finish before Stop lands
-    _send(page, "import sys\n")
+    _send(page, STOP_PROMPT)
     page.wait_for_selector('#run-state[data-state="running"]')
     seen: set[int] = set()
     while len(seen) < 2:
@@ -325,7 +326,7 @@ def test_browser_streams_colours_and_matches_generate(app_url, pair):
     if not CHROMIUM.exists():
         pytest.skip("no /usr/bin/chromium on this machine")
     sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
-    prompts = [PROMPT, "<b>{{x}}</b> ${y} & `z`\n\t  "]
+    prompts = ["<b>{{x}}</b> ${y} & `z`\n\t  ", PROMPT]  # markup first; the screenshot shows the code
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
             "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
@@ -355,6 +356,7 @@ def test_browser_streams_colours_and_matches_generate(app_url, pair):
             assert sum(s == "rejected" for s, _, _ in got) == want_rejected
         assert page.locator("#race-verdict").text_content() == "identical"  # greedy race: same text both ways
         assert len(statuses) >= 2 and statuses <= {"accepted", "corrected", "bonus", "rejected"}
+        page.wait_for_function("document.querySelectorAll('.toast-close').length === 0")  # the warning fades
         shot = REPO / "assets" / "screenshots" / "chat.png"
         shot.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(shot), full_page=True)

@@ -53,7 +53,8 @@ class _Emitter:
     def add(self, token: int) -> str:
         """Take one token; return its text. Sets `finish` when generation must end after it."""
         context = self.tokens[-8:] if self.tokens else self.req.prompt_ids[-4:]
-        piece = self.tok.token_texts([token], prefix=context)[0]
+        # End-of-sequence is a control token, not text (vLLM skips special tokens the same way).
+        piece = "" if token in self.eos else self.tok.token_texts([token], prefix=context)[0]
         self.tokens.append(token)
         self.text += piece
         window = self.text[-(len(piece) + max((len(s) for s in self.req.stop), default=0)):]
