@@ -247,9 +247,10 @@ def test_browser_screenshot(tmp_path):
             page.get_by_role("button", name="Run sweep").click()
             page.get_by_text("Recommended k =").first.wait_for(timeout=2 * TIMEOUT * 1000)
             page.get_by_test_id("stPlotlyChart").nth(4).wait_for(timeout=TIMEOUT * 1000)
-            page.wait_for_timeout(2000)  # let plotly finish drawing
+            page.set_viewport_size({"width": 1400, "height": 2300})  # the app scrolls inside its own frame
+            page.wait_for_timeout(2000)  # let plotly redraw at the new size
             shot = tmp_path / "dashboard.png"
-            page.screenshot(path=str(shot), full_page=True)
+            page.screenshot(path=str(shot))
             browser.close()
         assert shot.stat().st_size > 20_000
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import workbench as wb
-from conftest import EMBEDDED, make_random_pair
+from conftest import EMBEDDED, REPO, make_random_pair
 from workbench.analysis import doctor
-from workbench.analysis.doctor import MIN_ACCEPT, Probe, diagnose, judge, measure, static_checks
+from workbench.analysis.doctor import (MIN_ACCEPT, Probe, diagnose, first_proposal_hits, generate_run, judge,
+                                       paired_z, static_checks)
 from workbench.analysis.fusion import greedy_accept_length
 from workbench.models.rope import RotaryEmbedding
 from workbench.pair import save_model
@@ -94,30 +95,42 @@ def state(pair) -> dict:
 
 
 def test_judge_margins_and_noise():
-    conf = Probe("configured", "", 2.0, steps=50, stderr=0.0)
-    probes = [Probe("a", "", 2.06, stderr=0.0), Probe("b", "", 2.04, stderr=0.0), Probe("c", "", None, skipped="n/a"),
-              Probe("d", "", 2.5, stderr=0.2), Probe("e", "", 2.5, stderr=0.1), Probe("f", "", 3.0, stderr=None)]
+    conf = Probe("configured", "", 2.0)
+    probes = [Probe("a", "", 2.06, z=3.0), Probe("b", "", 2.04, z=9.0), Probe("c", "", None, skipped="n/a"),
+              Probe("d", "", 2.5, z=1.9), Probe("e", "", 2.5, z=None), Probe("f", "", 3.0, z=2.1)]
     flags = judge(conf, probes)
-    # d: +0.5 is within 2 standard errors (0.4 < 0.5? no: 2 x 0.2 = 0.4 < 0.5 -> flagged); e: 2 x 0.1 -> flagged
-    assert [p.flagged for p in probes] == [True, False, False, True, True, False]
+    assert [p.flagged for p in probes] == [True, False, False, False, False, True]
     assert probes[0].delta == pytest.approx(0.06) and probes[2].delta is None
-    assert len(flags) == 3 and "'a'" in flags[0]
-    noisy = Probe("configured", "", 2.0, stderr=0.2)
-    assert not judge(noisy, [Probe("g", "", 2.5, stderr=0.2)])  # 0.5 < 2 x hypot(0.2, 0.2) = 0.566
+    assert len(flags) == 2 and "'a'" in flags[0]
     # +0.055 on 3.0 clears the absolute margin but not the 2% relative one
-    assert not judge(Probe("configured", "", 3.0, stderr=0.0), [Probe("h", "", 3.055, stderr=0.0)])
-    assert any("misconfigured" in f for f in judge(Probe("configured", "", MIN_ACCEPT - 0.01, stderr=0.0), []))
-    assert judge(Probe("configured", "", MIN_ACCEPT, stderr=0.0), []) == []
+    assert not judge(Probe("configured", "", 3.0), [Probe("h", "", 3.055, z=5.0)])
+    assert any("misconfigured" in f for f in judge(Probe("configured", "", MIN_ACCEPT - 0.01), []))
+    assert judge(Probe("configured", "", MIN_ACCEPT), []) == []
 
 
-def test_measure_matches_the_engine(copy_dirs):
+def test_paired_z():
+    assert paired_z([True], [False]) is None
+    assert paired_z([True, False, True], [True, False, True]) == 0.0
+    # d = [1, 1, 0, 0]: mean 0.5, sd 0.577, z = 0.5 / (0.577 / 2)
+    assert paired_z([False, False, True, False], [True, True, True, False]) == pytest.approx(0.5 / (3 ** -0.5 / 2))
+    assert paired_z([True] * 4, [False] * 4) < -1e5  # every position lost: no noise at all
+
+
+def test_generation_and_first_proposals_match_the_engine(copy_dirs):
     pair = wb.load_pair(*copy_dirs)
-    with doctor.aux_ids(pair.verifier, (0, 1, 3)):  # the wrong capture: every step rejects its first proposal
-        m = measure(pair, PROMPTS, k=2, max_new_tokens=4)
-    assert (m.accept_length, m.steps, m.stderr) == (1.0, 6, 0.0)  # 3 steps per prompt, 0 accepted each
-    m = measure(pair, PROMPTS[:1], k=2, max_new_tokens=7)
-    assert (m.accept_length, m.steps, m.stderr) == (3.0, 2, 0.0)
-    assert m.accept_length == greedy_accept_length(pair, PROMPTS[:1], 2, 7)
+    run = generate_run(pair, PROMPTS[:1], k=2, max_new_tokens=7)
+    assert (run.accept_length, run.steps) == (3.0, 2)
+    assert run.accept_length == greedy_accept_length(pair, PROMPTS[:1], 2, 7)
+    n_prompt = len(pair.encode(PROMPTS[0]))
+    assert len(run.sequences[0]) == n_prompt + 7
+    # prefill token, then per step 2 accepted + 1 bonus
+    assert [run.marks[0][p][1] for p in sorted(run.marks[0])] == [False, True, True, False, True, True, False]
+    hits = first_proposal_hits(pair, run.sequences)
+    assert len(hits) == n_prompt + 6
+    assert all(hits[n_prompt - 1:])  # over the output the draft always proposes the repeated token
+    with doctor.aux_ids(pair.verifier, (0, 1, 3)):  # the wrong capture: every first proposal misses there
+        assert not any(first_proposal_hits(pair, run.sequences)[n_prompt - 1:])
+        assert generate_run(pair, PROMPTS, k=2, max_new_tokens=4).accept_length == 1.0
 
 
 def test_static_checks(copy_dirs):
@@ -160,6 +173,7 @@ def test_shifted_aux_ids_are_flagged(copy_dirs, tmp_path):
     assert not report.ok
     flagged = [p for p in report.probes if p.flagged]
     assert [p.name for p in flagged] == ["aux ids +1 [1, 2, 4]"] and flagged[0].accept_length == 3.0
+    assert flagged[0].test == "first proposals" and flagged[0].z > 2
     assert report.configured.accept_length < MIN_ACCEPT
     assert any("misconfigured" in f for f in report.flags)
     assert "FLAG" in report.summary() and pair.verifier.aux_layer_ids == (0, 1, 3)
@@ -183,9 +197,9 @@ def test_own_embedding_probe_and_restore_on_error(copy_dirs, monkeypatch):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("boom")
-        return measure(*args, **kwargs)
+        return generate_run(*args, **kwargs)
 
-    monkeypatch.setattr(doctor, "measure", failing)
+    monkeypatch.setattr(doctor, "generate_run", failing)
     with pytest.raises(RuntimeError, match="boom"):
         diagnose(pair, PROMPTS[:1], k=2, max_new_tokens=4)
     assert state(pair) == before
@@ -197,15 +211,18 @@ def test_bad_prompts():
 
 
 def test_trained_embedded_pair_flags_shifted_ids(embedded_pair, tmp_path):
-    configured = greedy_accept_length(embedded_pair, PROMPTS, k=3, max_new_tokens=16)
-    if configured <= 1.5:
-        pytest.skip(f"the embedded pair accepts {configured:.2f} <= 1.5 tokens per step at k=3 (random weights): "
-                    "too little to tell a shifted pairing from the right one")
-    report = diagnose(embedded_pair, PROMPTS, k=3, max_new_tokens=16)
-    assert report.configured.accept_length == configured
-    assert not any(p.flagged for p in report.probes), report.summary()
-    ids = [i + 1 for i in embedded_pair.draft.config.aux_layer_ids]
+    from workbench.cli import read_prompts
+
+    prompts = read_prompts(REPO / "assets" / "prompts" / "code.jsonl", limit=4)
+    report = diagnose(embedded_pair, prompts, k=3, max_new_tokens=16)
+    if report.configured.accept_length <= 1.5:
+        pytest.skip(f"the embedded pair accepts {report.configured.accept_length:.2f} <= 1.5 tokens per step at k=3 "
+                    "(random weights): too little to tell a shifted pairing from the right one")
+    assert report.ok, report.summary()
+    # the draft saved with its aux ids one layer low (the trainer's "output of layer k" read as "input of k")
+    ids = [i - 1 for i in embedded_pair.draft.config.aux_layer_ids]
     pair = wb.load_pair(EMBEDDED / "verifier", with_aux_ids(EMBEDDED / "draft", tmp_path / "draft", ids))
-    shifted = diagnose(pair, PROMPTS, k=3, max_new_tokens=16)
+    shifted = diagnose(pair, prompts, k=3, max_new_tokens=16)
     assert not shifted.ok
-    assert any(p.flagged and p.name.startswith("aux ids -1") for p in shifted.probes), shifted.summary()
+    back = [p for p in shifted.probes if p.flagged]
+    assert [p.name for p in back] == [f"aux ids +1 {list(embedded_pair.draft.config.aux_layer_ids)}"], shifted.summary()

@@ -12,6 +12,8 @@ SOURCE_NAMES = ("low", "mid", "high")
 def _layout(fig: go.Figure, title: str, x: str, y: str) -> go.Figure:
     fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, height=340, margin=dict(l=40, r=10, t=50, b=40),
                       legend=dict(orientation="h", y=-0.25))
+    if x in ("k", "draft position", "accepted"):  # integer axes
+        fig.update_xaxes(dtick=1)
     return fig
 
 
@@ -50,7 +52,8 @@ def speedup_fig(result, temperature: float, rec) -> go.Figure:
                     line=dict(dash="dash"))
     fig.add_scatter(x=[p.k for p in pts], y=[p.speedup for p in pts], mode="markers", name="measured speedup",
                     marker=dict(size=11))
-    fig.add_vline(x=rec.k, line=dict(color="green", dash="dot"), annotation_text=f"recommended k={rec.k}")
+    fig.add_vline(x=rec.k, line=dict(color="green", dash="dot"), annotation_text=f"recommended k={rec.k}",
+                  annotation_position="bottom right")
     return _layout(fig, f"Speedup vs autoregressive (T={temperature})", "k", "x autoregressive")
 
 
@@ -127,7 +130,8 @@ def kv_fig(rows: list[dict], batch: int) -> go.Figure:
     ctx = [r["context"] for r in sel]
     fig = go.Figure()
     for col, name in (("verifier_bytes", "verifier"), ("draft_bytes", "MLA draft"), ("mha_draft_bytes", "MHA draft")):
-        fig.add_bar(x=[str(c) for c in ctx], y=[r[col] / 2**30 for r in sel], name=name)
+        fig.add_bar(x=[f"{c:,}" for c in ctx], y=[r[col] / 2**30 for r in sel], name=name)
+    fig.update_xaxes(type="category")
     return _layout(fig, f"KV-cache GiB at batch {batch}", "context (tokens)", "GiB")
 
 

@@ -6,9 +6,7 @@ import streamlit as st
 
 from views import charts
 from views.prompt_sets import pick_prompts
-from workbench.analysis.doctor import MARGIN_ABS, MARGIN_REL, MIN_ACCEPT, diagnose, static_checks
-
-STATUS_ICON = {"ok": "✅", "warn": "⚠️", "fail": "❌", "info": "ℹ️"}
+from workbench.analysis.doctor import MARGIN_ABS, MARGIN_REL, MIN_ACCEPT, NOISE_Z, diagnose, static_checks
 
 st.title("Pairing doctor")
 pair, lock = st.session_state.get("pair"), st.session_state.get("lock")
@@ -18,16 +16,20 @@ if pair is None:
 
 st.subheader("Static checks")
 checks = static_checks(pair)
-st.dataframe(pd.DataFrame([{"": STATUS_ICON[c.status], "check": c.name, "detail": c.detail} for c in checks]),
-             key="doctor_checks", hide_index=True)
+st.dataframe(pd.DataFrame([{"status": c.status.upper(), "check": c.name, "detail": c.detail} for c in checks]),
+             key="doctor_checks", hide_index=True, height=36 * (len(checks) + 1) + 2)  # every row, no scrolling
+failed = [c.name for c in checks if c.status == "fail"]
+if failed:
+    st.error("Static checks failed: " + ", ".join(failed))
 if pair.draft is None:
     st.stop()
 
 st.subheader("Acceptance probes")
 st.caption(f"Greedy accept length of the configured pairing and of each alternative (aux ids ±1, RoPE pairing, "
            f"pre/post-norm feedback, own vs verifier embedding). An alternative is flagged when it beats the "
-           f"configured one by more than {MARGIN_ABS} and {MARGIN_REL:.0%}; a configured accept length below "
-           f"{MIN_ACCEPT} is flagged as misconfigured.")
+           f"configured one by more than {MARGIN_ABS} and {MARGIN_REL:.0%} *and* a paired test over the same "
+           f"positions gives z > {NOISE_Z:g} (first proposals at every position of prompts and output, "
+           f"teacher-forced). A configured accept length below {MIN_ACCEPT} is flagged as misconfigured.")
 prompts = pick_prompts("doctor")
 c1, c2 = st.columns(2)
 k = c1.number_input("k", 1, 8, 3, key="doctor_k")
@@ -50,6 +52,7 @@ else:
     st.error("Problems found:\n\n" + "\n".join(f"- {f}" for f in report.flags))
 st.plotly_chart(charts.probes_fig(report), key="doctor_fig_probes")
 st.dataframe(pd.DataFrame([{"probe": p.name, "accept length": p.accept_length, "delta": p.delta,
+                            "first proposals": p.first_proposal_rate, "z": p.z, "paired on": p.test,
                             "flagged": p.flagged, "skipped": p.skipped or "", "what it tests": p.description}
                            for p in [report.configured, *report.probes]]), key="doctor_probes", hide_index=True)
 st.download_button("Download JSON", json.dumps(report.to_dict(), indent=1), "doctor.json", "application/json",

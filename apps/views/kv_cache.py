@@ -5,9 +5,11 @@ import pandas as pd
 import streamlit as st
 
 from views import charts
-from workbench.analysis.kvcache import KIMI_K2_MLA_DRAFT, KIMI_K2_VERIFIER, bytes_per_token, memory_table, mha_equivalent
+from workbench.analysis.kvcache import (KIMI_K2_MLA_DRAFT, KIMI_K2_VERIFIER, bytes_per_token, memory_table,
+                                        mha_equivalent)
 
 MHA_TWIN = Path(__file__).resolve().parents[2] / "assets" / "tiny-kimi" / "draft-mha"
+KIMI = "Kimi-K2.7-Code (61 layers, 64 heads, kv_lora 512, rope 64, hidden 7168)"  # Kimi-K2's architecture
 DTYPES = {"bf16 (2 bytes)": 2, "fp8 (1 byte)": 1, "fp32 (4 bytes)": 4}
 
 
@@ -33,7 +35,7 @@ def fmt(n: float) -> str:
 
 st.title("KV cache: MLA vs MHA draft")
 pair = st.session_state.get("pair")
-presets = {"Kimi-K2.7-Code (61 layers, 64 heads, kv_lora 512, rope 64, hidden 7168)": (KIMI_K2_VERIFIER, KIMI_K2_MLA_DRAFT)}
+presets = {KIMI: (KIMI_K2_VERIFIER, KIMI_K2_MLA_DRAFT)}
 if pair is not None and pair.draft is not None and pair.draft.config.attention == "mla":
     presets["Loaded pair"] = (pair.verifier.config, pair.draft.config)
 name = st.selectbox("Configs", list(presets), key="kv_preset")
@@ -42,10 +44,10 @@ vcfg, dcfg = presets[name]
 nb = DTYPES[dtype]
 v_tok, d_tok, m_tok = bytes_per_token(vcfg, nb), bytes_per_token(dcfg, nb), bytes_per_token(mha_equivalent(dcfg), nb)
 c1, c2, c3 = st.columns(3)
-c1.metric("Verifier, per token", fmt(v_tok), f"{vcfg.num_hidden_layers} layers x {vcfg.cache_row} values",
-          delta_color="off")
-c2.metric("MLA draft, per token", fmt(d_tok), f"1 layer x {dcfg.cache_row} values", delta_color="off")
-c3.metric("MHA draft, per token", fmt(m_tok), f"{m_tok / d_tok:.1f}x the MLA draft", delta_color="off")
+plain = dict(delta_color="off", delta_arrow="off")  # the deltas are notes, not changes
+c1.metric("Verifier, per token", fmt(v_tok), f"{vcfg.num_hidden_layers} layers x {vcfg.cache_row} values", **plain)
+c2.metric("MLA draft, per token", fmt(d_tok), f"1 layer x {dcfg.cache_row} values", **plain)
+c3.metric("MHA draft, per token", fmt(m_tok), f"{m_tok / d_tok:.1f}x the MLA draft", **plain)
 
 b1, b2 = st.columns(2)
 batches = b1.multiselect("Batch sizes", [1, 8, 32, 64, 128], default=[1, 8, 64], key="kv_batches")
@@ -55,7 +57,8 @@ if batches and contexts:
     rows = memory_table(vcfg, dcfg, tuple(sorted(batches)), tuple(sorted(contexts)), nb)
     table = pd.DataFrame([{"batch": r["batch"], "context": r["context"], "verifier": fmt(r["verifier_bytes"]),
                            "MLA draft": fmt(r["draft_bytes"]), "MHA draft": fmt(r["mha_draft_bytes"]),
-                           "MLA draft share": f"{r['draft_share']:.2%}", "MHA draft share": f"{r['mha_draft_share']:.2%}"}
+                           "MLA draft share": f"{r['draft_share']:.2%}",
+                           "MHA draft share": f"{r['mha_draft_share']:.2%}"}
                           for r in rows])
     st.dataframe(table, key="kv_table", hide_index=True)
     st.plotly_chart(charts.kv_fig(rows, max(batches)), key="kv_fig")

@@ -27,6 +27,9 @@ def live() -> None:
     except ScrapeError as e:
         st.error(f"Cannot read metrics: {e}")
         return
+    except RuntimeError as e:  # prometheus_client missing: parse_spec_metrics says how to install it
+        st.error(str(e))
+        return
     if not counters.has_spec:
         st.warning(f"{url} answers, but exposes no vllm:spec_decode_* counters"
                    + (f" for model {model!r}" if model else "")

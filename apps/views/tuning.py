@@ -57,7 +57,7 @@ except ValueError as e:
 m1, m2, m3 = st.columns(3)
 m1.metric("Recommended k (goodput model)", "-" if rec is None else ("0 (no speculation)" if rec.k == 0 else rec.k))
 best = max((p for p in result.points if p.temperature == t), key=lambda p: p.tokens_per_s)
-m2.metric("Fastest measured k", f"{best.k}", f"{best.tokens_per_s:.1f} tok/s")
+m2.metric("Fastest measured k", f"{best.k}", f"{best.tokens_per_s:.1f} tok/s", delta_color="off", delta_arrow="off")
 m3.metric("Autoregressive", f"{result.point(t, 0).tokens_per_s:.1f} tok/s")
 if rec is not None:
     (st.success if rec.agrees else st.warning)(f"**Recommended k = {rec.k}.** {rec.reason}")

@@ -12,10 +12,18 @@ of the configured pairing and of each alternative; an alternative that beats the
 one by a clear margin is flagged, as is a configured accept length below 1.2. Every probe
 changes the pair in place and restores it in a `finally`, so hold the app's generation lock.
 
-"Clear" means above a fixed margin and above the sampling noise of a few prompts: greedy runs
-are deterministic, but a handful of steps says little about other text (on the trained tiny
-pair, 2 prompts x 16 tokens once put a wrong RoPE pairing 0.24 ahead; 8 x 32 put it behind).
-The noise is the standard error of the difference of the two mean accepted counts per step.
+"Clear" means above a fixed margin *and* beyond the noise of a few prompts. Greedy runs are
+deterministic, but a handful of steps says little about other text: on the trained tiny pair,
+2 prompts x 16 tokens once put a wrong RoPE pairing 0.24 ahead, 8 x 32 put it behind. So each
+alternative is also tested where the comparison is paired and cheap: the *first proposal* at
+every position of the prompts and of the configured run's output (greedy speculation is
+lossless, so that text is the same for every probe). One verifier forward and one draft pass
+over a sequence give, at each position, whether the draft's first proposal there would be
+accepted (it equals the verifier's argmax); d = hit(alternative) - hit(configured) per
+position and z = mean(d) / (sd(d) / sqrt(n)) must exceed 2. The feedback probe changes only
+later proposals (depth >= 1), so it is paired on generation instead: per emitted position,
+whether it was an accepted proposal (positions whose token differs, a verifier near-tie, are
+left out).
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ MARGIN_ABS = 0.05  # an alternative must beat the configured accept length by mo
 MARGIN_REL = 0.02  # ... and by more than this fraction of it, to be flagged (run-to-run noise is 0 at T=0,
 # but a few prompts make small differences meaningless)
 MIN_ACCEPT = 1.2  # below this the draft is barely ever accepted: likely misconfigured, not just weak
-NOISE_Z = 2.0  # ... and by more than this many standard errors of the difference
+NOISE_Z = 2.0  # ... and its paired per-position z-score must exceed this
 
 
 @dataclass
@@ -50,7 +58,10 @@ class Probe:
     description: str
     accept_length: float | None = None  # None when skipped
     steps: int = 0  # speculative steps measured
-    stderr: float | None = None  # standard error of accept_length; None below 2 steps (unknown)
+    first_proposal_rate: float | None = None  # teacher-forced: share of positions whose first proposal is accepted
+    positions: int = 0  # positions behind first_proposal_rate
+    z: float | None = None  # paired z-score against the configured run (None: fewer than 2 positions)
+    test: str = ""  # what z pairs: "first proposals" or "accepted positions"
     skipped: str | None = None  # why the probe could not run
     delta: float | None = None  # accept_length - configured
     flagged: bool = False
@@ -77,16 +88,18 @@ class DoctorReport:
         lines = [f"doctor: {'OK' if self.ok else 'PROBLEMS FOUND'} (k={self.k}, {self.num_prompts} prompts, "
                  f"max_new_tokens {self.max_new_tokens})", "static checks:"]
         lines += [f"  [{c.status:>4}] {c.name}: {c.detail}" for c in self.checks]
-        conf = self.configured.accept_length
-        lines.append(f"acceptance probes (greedy accept length; configured = "
-                     f"{'n/a' if conf is None else f'{conf:.3f}'}):")
+        c = self.configured
+        head = "n/a" if c.accept_length is None else (f"{c.accept_length:.3f}, first proposals "
+                                                         f"{c.first_proposal_rate:.3f} over {c.positions} positions")
+        lines.append(f"acceptance probes (greedy accept length; configured = {head}):")
         for p in self.probes:
             if p.skipped:
                 lines.append(f"  [skip] {p.name}: {p.skipped}")
             else:
                 mark = "FLAG" if p.flagged else "  ok"
-                err = "?" if p.stderr is None else f"{p.stderr:.3f}"
-                lines.append(f"  [{mark}] {p.name}: {p.accept_length:.3f} ± {err} ({p.delta:+.3f}) - {p.description}")
+                z = "?" if p.z is None else f"{p.z:+.1f}"
+                lines.append(f"  [{mark}] {p.name}: {p.accept_length:.3f} ({p.delta:+.3f}; first proposals "
+                             f"{p.first_proposal_rate:.3f}; z {z} on {p.test}) - {p.description}")
         lines += [f"! {f}" for f in self.flags]
         return "\n".join(lines)
 
@@ -109,13 +122,15 @@ def static_checks(pair) -> list[Check]:
         out.append(Check(name, "ok" if good else severity, ok if good else bad))
 
     check("hidden sizes", dc.target_hidden_size == vc.hidden_size and dc.hidden_size == vc.hidden_size,
-          f"draft hidden {dc.hidden_size}, target_hidden_size {dc.target_hidden_size} = verifier hidden {vc.hidden_size}",
+          f"draft hidden {dc.hidden_size}, target_hidden_size {dc.target_hidden_size} = verifier hidden "
+          f"{vc.hidden_size}",
           f"draft hidden_size {dc.hidden_size} / target_hidden_size {dc.target_hidden_size}; expected the "
           f"verifier's hidden_size {vc.hidden_size}")
     ids = list(dc.aux_layer_ids)
     if hasattr(d, "fc"):
         want = len(ids) * vc.hidden_size
-        check("fc input width", d.fc.in_features == want, f"fc takes {d.fc.in_features} = {len(ids)} x {vc.hidden_size}",
+        check("fc input width", d.fc.in_features == want,
+              f"fc takes {d.fc.in_features} = {len(ids)} x {vc.hidden_size}",
               f"fc takes {d.fc.in_features} inputs; expected {len(ids)} aux states x hidden {vc.hidden_size} = {want}")
     else:
         out.append(Check("fc input width", "warn", "the draft has no fc (use_aux_hidden_state = false): it does not "
@@ -170,7 +185,8 @@ def _tokenizer_check(pair) -> Check:
     tok = getattr(pair, "tokenizer", None)
     rows = pair.verifier.model.embed_tokens.num_embeddings
     if tok is None:
-        return Check("tokenizer", "fail", f"{pair.verifier_dir}: no tokenizer; expected tokenizer.json or tiktoken.model")
+        return Check("tokenizer", "fail",
+                     f"{pair.verifier_dir}: no tokenizer; expected tokenizer.json or tiktoken.model")
     n = tok.vocab_size
     if n > rows:
         return Check("tokenizer", "fail", f"tokenizer has {n} tokens but the embedding has {rows} rows: ids >= {rows} "
@@ -224,66 +240,129 @@ def verifier_embedding(draft) -> Iterator[None]:
         draft.embed_tokens = own
 
 
-def alternatives(pair) -> list[tuple[str, str, Callable[[], AbstractContextManager] | None, str | None]]:
-    """(name, what it tests, context manager factory or None, why skipped) for each probe."""
+@dataclass
+class Alternative:
+    name: str
+    description: str
+    apply: Callable[[], AbstractContextManager] | None  # None when skipped
+    skipped: str | None = None
+    first_proposal: bool = True  # changes the first proposal of a step (else only later ones)
+
+
+def alternatives(pair) -> list[Alternative]:
+    """The probes that apply to this pair, and the ones that do not (with the reason)."""
     v, d = pair.verifier, pair.draft
     n = v.config.num_hidden_layers
     ids = tuple(v.aux_layer_ids)
-    probes = []
+    out = []
     for shift in (-1, +1):
         moved = tuple(i + shift for i in ids)
-        name = f"aux ids {shift:+d} {list(moved)}"
-        what = f"capture layers shifted by {shift} (the 'input of' vs 'output of' layer k off-by-one)"
         bad = [i for i in moved if not 0 <= i < n]
-        probes.append((name, what, None if bad else (lambda m=moved: aux_ids(v, m)),
-                       f"{bad} outside the verifier's layers [0, {n - 1}]" if bad else None))
+        out.append(Alternative(
+            f"aux ids {shift:+d} {list(moved)}",
+            f"capture layers shifted by {shift} (the 'input of' vs 'output of' layer k off-by-one)",
+            None if bad else (lambda m=moved: aux_ids(v, m)),
+            f"{bad} outside the verifier's layers [0, {n - 1}]" if bad else None))
     ropes = [m for m in d.modules() if isinstance(m, RotaryEmbedding)]
     current = "interleaved" if ropes and ropes[0].interleave else "half-split"
     other = "half-split" if current == "interleaved" else "interleaved"
-    probes.append((f"rope {other}", f"the draft's RoPE pairs dims {other} instead of {current}",
-                   (lambda: rope_flipped(d)) if ropes else None, None if ropes else "the draft has no rotary embedding"))
+    out.append(Alternative(f"rope {other}", f"the draft's RoPE pairs dims {other} instead of {current}",
+                           (lambda: rope_flipped(d)) if ropes else None,
+                           None if ropes else "the draft has no rotary embedding"))
     fed = "post-norm" if not d.norm_output else "pre-norm"
-    probes.append((f"feed back {fed}", f"feed the {fed} state back between draft steps (norm_output = {not d.norm_output})",
-                   lambda: norm_output_flipped(d), None))
-    shared = d._shared.get("embed_tokens")
-    own = d._modules.get("embed_tokens")
+    out.append(Alternative(f"feed back {fed}",
+                           f"feed the {fed} state back between draft steps (norm_output = {not d.norm_output})",
+                           lambda: norm_output_flipped(d), first_proposal=False))
+    what = "use the verifier's embedding instead of the draft's own"
+    own, shared = d._modules.get("embed_tokens"), d._shared.get("embed_tokens")
     if own is None:
-        probes.append(("verifier embedding", "use the verifier's embedding instead of the draft's own", None,
-                       "the draft ships no embedding of its own (it already uses the verifier's)"))
+        out.append(Alternative("verifier embedding", what, None,
+                               "the draft ships no embedding of its own (it already uses the verifier's)"))
     elif shared is None or shared.weight.shape != own.weight.shape:
-        probes.append(("verifier embedding", "use the verifier's embedding instead of the draft's own", None,
-                       "the verifier's embedding has another shape"))
+        out.append(Alternative("verifier embedding", what, None, "the verifier's embedding has another shape"))
     else:
-        probes.append(("verifier embedding", "use the verifier's embedding instead of the draft's own",
-                       lambda: verifier_embedding(d), None))
-    return probes
+        out.append(Alternative("verifier embedding", what, lambda: verifier_embedding(d)))
+    return out
 
 
-def measure(pair, prompts: Sequence[str], k: int, max_new_tokens: int, attention: str = "auto") -> Probe:
-    """Greedy accept length over the prompts (every prompt's steps pooled) and its standard error."""
+Marks = list[dict[int, tuple[int, bool]]]  # per prompt: position -> (token, was an accepted proposal)
+
+
+@dataclass
+class Run:
+    """What one greedy generation over the prompts leaves to compare."""
+
+    accept_length: float
+    steps: int
+    marks: Marks
+    sequences: list[list[int]]  # prompt + output tokens, per prompt
+
+
+def generate_run(pair, prompts: Sequence[str], k: int, max_new_tokens: int, attention: str = "auto") -> Run:
+    """Greedy speculative decoding over the prompts: pooled accept length and per-position marks."""
     dec = SpecDecoder(pair, num_speculative_tokens=k, temperature=0.0, attention=attention)
-    events = [e for p in prompts for e in dec.generate(p, max_new_tokens).events]
-    counts = [e.num_accepted for e in events if e.kind == "spec" and e.k > 0]
-    n = len(counts)
-    mean = sum(counts) / n if n else 0.0
-    stderr = math.sqrt(sum((c - mean) ** 2 for c in counts) / (n - 1) / n) if n > 1 else None
-    return Probe("", "", compute_stats(events).accept_length, steps=n, stderr=stderr)
+    events, marks, sequences = [], [], []
+    for prompt in prompts:
+        res = dec.generate(prompt, max_new_tokens)
+        events += res.events
+        marks.append({e.position + i: (tok, status == "accepted") for e in res.events
+                      for i, (tok, status) in enumerate(zip(e.emitted, e.emitted_status))})
+        sequences.append(res.prompt_tokens + res.tokens)
+    steps = sum(1 for e in events if e.kind == "spec" and e.k > 0)
+    return Run(compute_stats(events).accept_length, steps, marks, sequences)
+
+
+@torch.inference_mode()
+def first_proposal_hits(pair, sequences: list[list[int]], attention: str = "auto") -> list[bool]:
+    """At every position of each sequence: would greedy verification accept the draft's first proposal?
+
+    As in the engine's first draft pass, row j takes token j+1 and the fused verifier state of
+    position j and proposes the token after j+1; it is accepted iff it is the verifier's argmax
+    at position j+1. One verifier forward and one draft pass per sequence, no generation loop.
+    """
+    d = pair.draft
+    attention = pair.resolve_attention(attention)
+    hits: list[bool] = []
+    for ids in sequences:
+        x = torch.tensor([ids], device=pair.device)
+        out = pair.verifier(x, attention=attention)
+        target = out.logits[0].argmax(-1)
+        post, _ = d(x[:, 1:], d.combine_hidden_states(out.aux_hidden_states)[:, :-1], attention=attention)
+        hits += (d.compute_logits(post)[0].argmax(-1) == target[1:]).tolist()
+    return hits
+
+
+def paired_z(configured: list[bool], alternative: list[bool]) -> float | None:
+    """z-score of the mean of d = alternative - configured over paired 0/1 outcomes."""
+    d = [int(b) - int(a) for a, b in zip(configured, alternative)]
+    n = len(d)
+    if n < 2:
+        return None
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / (n - 1)
+    return mean / math.sqrt(max(var, 1e-12) / n)  # var = 0 only when every d is 0 (mean 0)
+
+
+def _paired_marks(configured: Marks, alternative: Marks) -> tuple[list[bool], list[bool]]:
+    pairs = [(conf[p][1], alt[p][1]) for conf, alt in zip(configured, alternative)
+             for p in sorted(conf.keys() & alt.keys()) if conf[p][0] == alt[p][0]]
+    return [a for a, _ in pairs], [b for _, b in pairs]
 
 
 def judge(configured: Probe, probes: list[Probe]) -> list[str]:
-    """Flag alternatives that clearly beat the configured pairing, and a configured accept length < 1.2."""
+    """Flag alternatives that clearly beat the configured pairing, and a configured accept length < 1.2.
+
+    Each probe's `z` must already hold its paired z-score against the configured run."""
     flags = []
     base = configured.accept_length
     for p in probes:
         if p.accept_length is None:
             continue
         p.delta = p.accept_length - base
-        unknown = configured.stderr is None or p.stderr is None  # too few steps to tell anything apart
-        noise = math.inf if unknown else NOISE_Z * math.hypot(configured.stderr, p.stderr)
-        p.flagged = p.delta > MARGIN_ABS and p.delta > MARGIN_REL * base and p.delta > noise
+        p.flagged = (p.delta > MARGIN_ABS and p.delta > MARGIN_REL * base and p.z is not None and p.z > NOISE_Z)
         if p.flagged:
-            flags.append(f"'{p.name}' accepts {p.accept_length:.3f} vs the configured {base:.3f} "
-                         f"(noise {noise:.3f}): {p.description}")
+            flags.append(f"'{p.name}' accepts {p.accept_length:.3f} vs the configured {base:.3f} (paired z = "
+                         f"{p.z:.1f} on {p.test}): {p.description}")
     if base < MIN_ACCEPT:
         flags.append(f"configured accept length {base:.3f} < {MIN_ACCEPT}: the draft is likely misconfigured "
                      "(wrong aux layers, norm, RoPE or checkpoint), or untrained")
@@ -303,28 +382,30 @@ def diagnose(pair, prompts: Sequence[str], k: int = 3, max_new_tokens: int = 32,
         return DoctorReport(k, max_new_tokens, len(prompts), checks, configured, [],
                             ["static checks failed: " + "; ".join(c.name for c in checks if c.status == "fail")])
     plan = alternatives(pair)
-    total = 1 + sum(f is not None for _, _, f, _ in plan)
+    total = 1 + sum(alt.apply is not None for alt in plan)
     if progress:
         progress(0, total, "configured")
-    configured = _run(configured, pair, prompts, k, max_new_tokens, attention)
-    configured.delta = 0.0
-    probes, done = [], 1
-    for name, what, factory, skipped in plan:
-        probe = Probe(name, what, skipped=skipped)
-        if factory is not None:
-            if progress:
-                progress(done, total, name)
-            with factory():
-                probe = _run(probe, pair, prompts, k, max_new_tokens, attention)
-            done += 1
+    base = generate_run(pair, prompts, k, max_new_tokens, attention)
+    base_hits = first_proposal_hits(pair, base.sequences, attention)
+    configured.accept_length, configured.steps, configured.delta = base.accept_length, base.steps, 0.0
+    configured.first_proposal_rate, configured.positions = sum(base_hits) / len(base_hits), len(base_hits)
+    probes = []
+    for alt in plan:
+        probe = Probe(alt.name, alt.description, skipped=alt.skipped)
         probes.append(probe)
+        if alt.apply is None:
+            continue
+        if progress:
+            progress(len([p for p in probes if p.skipped is None]), total, alt.name)
+        with alt.apply():
+            run = generate_run(pair, prompts, k, max_new_tokens, attention)
+            hits = first_proposal_hits(pair, base.sequences, attention)
+        probe.accept_length, probe.steps = run.accept_length, run.steps
+        probe.first_proposal_rate, probe.positions = sum(hits) / len(hits), len(hits)
+        if alt.first_proposal:
+            probe.z, probe.test = paired_z(base_hits, hits), "first proposals"
+        else:
+            probe.z, probe.test = paired_z(*_paired_marks(base.marks, run.marks)), "accepted positions"
     if progress:
         progress(total, total, "done")
-    flags = judge(configured, probes)
-    return DoctorReport(k, max_new_tokens, len(prompts), checks, configured, probes, flags)
-
-
-def _run(probe: Probe, pair, prompts, k: int, max_new_tokens: int, attention: str) -> Probe:
-    m = measure(pair, prompts, k, max_new_tokens, attention)
-    probe.accept_length, probe.steps, probe.stderr = m.accept_length, m.steps, m.stderr
-    return probe
+    return DoctorReport(k, max_new_tokens, len(prompts), checks, configured, probes, judge(configured, probes))

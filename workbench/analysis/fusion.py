@@ -103,7 +103,8 @@ def _terms(draft, aux: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
     """Per-source terms [S, T, H] and the fused state [T, H] (= fc output) for aux [1, T, Ht] each."""
     blocks = fc_blocks(draft)
     if len(aux) != len(blocks):
-        raise ValueError(f"fusion: the verifier captured {len(aux)} aux states; the draft's fc has {len(blocks)} blocks")
+        raise ValueError(f"fusion: the verifier captured {len(aux)} aux states; the draft's fc has "
+                         f"{len(blocks)} blocks")
     terms = torch.stack([h[0].float() @ w.float().T for h, w in zip(aux, blocks)])
     return terms, draft.combine_hidden_states(aux)[0].float()
 
@@ -247,7 +248,8 @@ class AblationReport:
     def summary(self) -> str:
         lines = [f"ablation at k={self.k}, {self.num_prompts} prompts: baseline accept length {self.baseline:.3f}"]
         for e in self.entries:
-            lines.append(f"  {e.mode:>7} source {e.source} (layer {e.layer_id}): {e.accept_length:.3f} ({e.delta:+.3f})")
+            lines.append(f"  {e.mode:>7} source {e.source} (layer {e.layer_id}): {e.accept_length:.3f} "
+                         f"({e.delta:+.3f})")
         return "\n".join(lines)
 
 

@@ -57,7 +57,8 @@ class SweepPoint:
                 "draft_forward_time": self.draft_forward_time, "verify_forward_time": self.verify_forward_time,
                 "c": self.c, "draft_forwards": self.draft_forwards, "verify_forwards": self.verify_forwards,
                 "matches_baseline": self.matches_baseline}
-        rest = {f"stats_{n}": v for n, v in stats_table(self.stats).items() if n not in ("accept_length", "tokens_per_s")}
+        rest = {f"stats_{n}": v for n, v in stats_table(self.stats).items()
+                if n not in ("accept_length", "tokens_per_s")}
         return {**head, **rest}
 
     def to_dict(self) -> dict:
