@@ -1,0 +1,111 @@
+"""The README cannot go stale: its quick start is what CI runs, and its CLI examples work."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import build_parser
+
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+
+
+def code_lines(section: str | None = None) -> list[str]:
+    text = README if section is None else README.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        joined = block.replace("\\\n", " ")
+        lines += [ln.split("  #")[0].strip() for ln in joined.splitlines() if ln.strip() and not ln.startswith("#")]
+    return lines
+
+
+def test_quick_start_is_two_commands_and_ci_runs_the_test_command():
+    quick = code_lines("Quick start")
+    assert quick[0] == 'pip install torch==2.13.0 -e ".[apps]" && workbench chat'
+    assert quick[1] == "bash .ci/run"
+    test_cmd = quick[2]
+    assert test_cmd == "python -m pytest -q"
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert test_cmd in ci, "the README's test command must be the one .ci/run runs"
+    assert "python -m pip install -q torch==2.13.0" in ci
+    assert 'python -m pip install -q -e ".[apps,dev]"' in ci
+
+
+def test_every_cli_example_parses():
+    examples = [ln for ln in code_lines() if ln.startswith("workbench ")]
+    assert len(examples) >= 10
+    parser = build_parser()
+    for ln in examples:
+        argv = shlex.split(ln)[1:]
+        if argv[0] in ("chat", "train-draft"):  # these hand their argv to their own parsers
+            continue
+        parser.parse_args(argv)
+
+
+def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workbench.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def test_generate_example_runs():
+    out = _run(["generate", "--prompt", "def fibonacci(n):", "--k", "3", "--max-new-tokens", "8", "--json"])
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert len(res["tokens"]) == 8 and res["accept_length"] >= 1 and res["steps"][0]["kind"] == "prefill"
+
+
+def test_vllm_command_is_the_one_the_readme_shows():
+    shown = next(ln for ln in README.splitlines() if ln.startswith("# vllm serve"))[2:]
+    out = _run(["vllm-command", "--verifier-name", "moonshotai/Kimi-K2.7-Code",
+                "--draft-name", "k-l-lambda/kimi-k2.7-code-eagle3-mla", "--k", "3", "--tp", "8"])
+    assert out.returncode == 0 and out.stdout.strip() == shown
+
+
+def test_export_vllm_example_runs(tmp_path):
+    out = _run(["export-vllm", str(tmp_path / "draft-vllm"), "--json"])
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads((tmp_path / "draft-vllm" / "config.json").read_text())
+    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+
+
+def test_bench_kernels_says_it_needs_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: bench-kernels runs for real there")
+    out = _run(["bench-kernels", "--json"])
+    assert out.returncode == 2 and "CUDA" in out.stderr
+
+
+def test_first_quick_start_command_brings_up_the_chat():
+    """The newcomer's path: `workbench chat` serves the embedded pair on 127.0.0.1 with no other step."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "chat", "--port", str(port)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as r:
+                    page = r.read().decode()
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("workbench chat did not answer within 180 s")
+        assert r.status == 200 and "gradio" in page.lower()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
