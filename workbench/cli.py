@@ -75,21 +75,26 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """JSONL with {"prompt": ...} per line; errors name the file and line."""
+def parse_prompts(text: str, name: str) -> list[str]:
+    """JSONL text with {"prompt": ...} per line; errors name the file (`name`) and the line."""
     prompts = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not valid JSON ({e}); expected {{\"prompt\": ...}} per line") from None
+            raise ValueError(f"{name}:{i}: not valid JSON ({e}); expected {{\"prompt\": ...}} per line") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise ValueError(f"{path}:{i}: field 'prompt' missing or empty; expected a non-empty string")
+            raise ValueError(f"{name}:{i}: field 'prompt' missing or empty; expected a non-empty string")
         prompts.append(obj["prompt"])
     if not prompts:
-        raise ValueError(f"{path}: no prompts; expected JSONL lines like {{\"prompt\": \"def f(x):\"}}")
+        raise ValueError(f"{name}: no prompts; expected JSONL lines like {{\"prompt\": \"def f(x):\"}}")
+    return prompts
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    prompts = parse_prompts(Path(path).read_text(), str(path))
     return prompts[:limit] if limit else prompts
 
 

@@ -4,31 +4,14 @@ Not a page (the dashboard lists its pages explicitly); imported by the pages tha
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import streamlit as st
 
+from workbench.cli import parse_prompts as parse_jsonl
+
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "prompts"
 SEPARATOR = "---"  # a line holding only this separates typed prompts (prompts are multi-line code)
-
-
-def parse_jsonl(text: str, name: str) -> list[str]:
-    """{"prompt": ...} per line; errors name the file and the line, as `workbench.cli.read_prompts` does."""
-    prompts = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name}:{i}: not valid JSON ({e}); expected {{\"prompt\": ...}} per line") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise ValueError(f"{name}:{i}: field 'prompt' missing or empty; expected a non-empty string")
-        prompts.append(obj["prompt"])
-    if not prompts:
-        raise ValueError(f"{name}: no prompts; expected JSONL lines like {{\"prompt\": \"def f(x):\"}}")
-    return prompts
 
 
 def bundled_sets() -> list[str]:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from workbench.config import VerifierConfig
 from workbench.models import Verifier
 from workbench.models.moe import MoE
+from workbench.training.eagle3 import lr_at
 
 
 def tiny_kimi_config(vocab_size: int = 8192, bos: int = 0, eos: int = 1) -> VerifierConfig:
@@ -64,13 +65,6 @@ def batches(stream: torch.Tensor, batch: int, seq: int, rng: random.Random):
     while True:
         starts = [rng.randrange(0, len(stream) - seq - 1) for _ in range(batch)]
         yield torch.stack([stream[s:s + seq + 1] for s in starts])
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @torch.no_grad()
@@ -130,7 +124,7 @@ def pretrain(args: PretrainArgs, log=print) -> dict:
     step = 0
     while step < total:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, args.lr, args.warmup)
+            g["lr"] = lr_at(step, total, args.lr, args.warmup, floor=0.1)
         b = next(data)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             logits = model(b[:, :-1]).logits
