@@ -51,7 +51,7 @@ def make_random_pair(out: Path, seed: int = 0, attention: str = "mla", hidden: i
     cfg.rope_scaling = dict(cfg.rope_scaling, original_max_position_embeddings=max_pos // 4)
     if vocab:
         cfg.vocab_size = vocab
-    v = Verifier(cfg)
+    v = Verifier(cfg, aux_layer_ids)
     init_weights(v, layers, std=0.08)
     with torch.no_grad():
         for name, b in v.named_buffers():

@@ -158,8 +158,9 @@ class VerifierConfig(MLADims):
 
     @property
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
+        """vLLM's (2, L // 2, L - 3); clamped into range so a model shallower than 4 layers still loads."""
         n = self.num_hidden_layers
-        return (2, n // 2, n - 3)
+        return tuple(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))
 
     @classmethod
     def from_hf(cls, d: dict, source: str = "config.json") -> "VerifierConfig":

@@ -69,16 +69,18 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 def mla_attention(q_lat: Tensor, q_pe: Tensor, cache: Tensor, seq_lens: Tensor, sm_scale: float,
                   *, block_table: Tensor | None = None, num_kv_splits: int | None = None,
-                  backend: str = "auto") -> tuple[Tensor, Tensor]:
+                  max_seq_len: int | None = None, backend: str = "auto") -> tuple[Tensor, Tensor]:
     """Absorbed-MLA attention over the latent cache; returns (out [B,Sq,H,L], lse [B,Sq,H]).
 
     See `reference.py` for the math: q_lat [B,Sq,H,L], q_pe [B,Sq,H,R], cache rows
     [c_kv | k_pe] (contiguous [B,S_max,L+R] or paged [blocks,page,L+R] + block_table [B,max_blocks]),
     seq_lens [B] counting the Sq new tokens, bottom-right-aligned causal mask, fp32 lse.
+    `max_seq_len` = max(seq_lens) when the caller knows it: the twin then never syncs (the
+    Triton kernel needs no host-side maximum and ignores it).
     """
-    if resolve_backend(backend, q_lat.device) == "torch":
-        return mla_attention_torch(q_lat, q_pe, cache, seq_lens, sm_scale,
-                                   block_table=block_table, num_kv_splits=num_kv_splits)
+    if backend == "torch" or resolve_backend(backend, q_lat.device) == "torch":
+        return mla_attention_torch(q_lat, q_pe, cache, seq_lens, sm_scale, block_table=block_table,
+                                   num_kv_splits=num_kv_splits, max_seq_len=max_seq_len)
     from workbench.kernels.triton_mla import mla_attention_triton
 
     return mla_attention_triton(q_lat, q_pe, cache, seq_lens, sm_scale,

@@ -122,22 +122,32 @@ def gather_kv(cache: Tensor, seq_lens: Tensor, n: int, block_table: Tensor | Non
         pages = block_table[:, pos // page_size].long()
         pages = torch.where(valid, pages, torch.zeros_like(pages))  # unused entries may be junk
         kv = cache[pages, (pos % page_size)[None, :]]  # [B, n, L+R]
-    if bool((seq_lens < n).any()):
+    if seq_lens.shape[0] > 1 or block_table is not None:  # a single contiguous row is all valid
         kv = torch.where((pos[None, :] < seq_lens[:, None])[..., None], kv, torch.zeros_like(kv))
     return kv
 
 
 def mla_attention_torch(q_lat: Tensor, q_pe: Tensor, cache: Tensor, seq_lens: Tensor,
                         sm_scale: float, *, block_table: Tensor | None = None,
-                        num_kv_splits: int | None = None) -> tuple[Tensor, Tensor]:
+                        num_kv_splits: int | None = None,
+                        max_seq_len: int | None = None) -> tuple[Tensor, Tensor]:
     """Absorbed-MLA attention over the latent cache in fp32 PyTorch; see the module docstring.
 
     Returns (out [B, Sq, H, L] in q_lat's dtype, lse [B, Sq, H] fp32). `num_kv_splits` is
     accepted so the signature matches the Triton kernel; a single pass needs no splits.
+    `max_seq_len`, when the caller knows it (the model layers do, as vLLM's attention metadata
+    does), skips reading seq_lens back to the host: no sync, and nothing that stops
+    torch.compile from tracing the decode step as one graph. The values are then trusted.
     """
     del num_kv_splits
     shapes = check_mla_inputs(q_lat, q_pe, cache, seq_lens, block_table)
-    n = check_mla_values(shapes, cache, seq_lens, block_table)
+    if max_seq_len is None:
+        n = check_mla_values(shapes, cache, seq_lens, block_table)
+    elif not 0 <= max_seq_len <= shapes.capacity:
+        raise ValueError(f"{_WHERE}: max_seq_len must lie in [0, {shapes.capacity}] (the cache "
+                         f"capacity), got {max_seq_len}")
+    else:
+        n = max_seq_len
     batch, q_len, heads, kv_lora = q_lat.shape
     if n == 0:
         return (torch.zeros_like(q_lat),

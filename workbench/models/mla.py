@@ -23,6 +23,7 @@ from torch import nn
 
 from workbench.cache import KVCache
 from workbench.config import MLADims
+from workbench.kernels import mla_attention
 from workbench.models.norm import RMSNorm
 from workbench.models.rope import RotaryEmbedding
 
@@ -96,13 +97,12 @@ class MLAttention(nn.Module):
     def attend_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
                         seq_len: int, backend: str) -> torch.Tensor:
         """MQA over the cache rows [B, S_max, L+R] (first seq_len valid, the T new ones last)."""
-        from workbench.kernels import mla_attention
-
         B, T = q_nope.shape[:2]
         w_uk, w_uv = self.absorbed_weights()
         q_lat = torch.einsum("btnp,npl->btnl", q_nope, w_uk)
         seq_lens = torch.full((B,), seq_len, dtype=torch.int32, device=q_nope.device)
-        o_lat, _ = mla_attention(q_lat, q_pe.contiguous(), cache_rows, seq_lens, self.scale, backend=backend)
+        o_lat, _ = mla_attention(q_lat, q_pe.contiguous(), cache_rows, seq_lens, self.scale,
+                                 max_seq_len=seq_len, backend=backend)
         o = torch.einsum("btnl,nvl->btnv", o_lat, w_uv)
         return o.reshape(B, T, self.n_heads * self.v_dim)
 

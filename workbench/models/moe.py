@@ -73,10 +73,13 @@ class MoE(nn.Module):
         params = [e.weight for m in self.experts for e in (m.gate_proj, m.up_proj, m.down_proj)]
         versions = tuple((p._version, p.data_ptr(), p.dtype) for p in params)
         if self._stacked is None or self._stacked[0] != versions:
-            gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
-            down = torch.stack([e.down_proj.weight for e in self.experts])
+            gate_up, down = self._stack()
             self._stacked = (versions, gate_up.detach(), down.detach())
         return self._stacked[1], self._stacked[2]
+
+    def _stack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+        return gate_up, torch.stack([e.down_proj.weight for e in self.experts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -101,7 +104,8 @@ class MoE(nn.Module):
 
     def _gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Few tokens (decode, verify): gather the chosen experts' weights, a handful of batched ops."""
-        gate_up, down = self.stacked()
+        # Traced by torch.compile: stack from the parameters (freezing folds it into constants).
+        gate_up, down = self._stack() if torch.compiler.is_compiling() else self.stacked()
         n, k = ids.shape
         h = torch.bmm(gate_up[ids.flatten()], x.repeat_interleave(k, 0)[:, :, None])  # [n*k, 2I, 1]
         g, u = h.squeeze(-1).chunk(2, dim=-1)
