@@ -16,15 +16,6 @@ from test_engine import ScriptedProposer, greedy_chain, random_pair
 import workbench as wb
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads buy nothing and cost a scheduler slice per op on a loaded box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------------------------------------
 # KVCache on its own.
 

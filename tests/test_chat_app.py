@@ -72,18 +72,6 @@ def _events() -> list[wb.StepEvent]:
     return [prefill, spec]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """One intra-op thread for this file: on the shared 2-core machine two threads per op spin-wait
-    for each other under load and ran a generation >10x slower (measured: 6 s vs 100 s)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- pure functions --------------------------------------------------------------------------
 
 

@@ -72,16 +72,6 @@ def with_aux_ids(draft_dir: Path, out: Path, ids: list[int]) -> Path:
     return out
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two intra-op threads on a 2-core machine shared with other jobs run these tiny matmuls
-    many times slower (OpenMP threads wait on each other), so these tests use one."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def copy_dirs(tmp_path_factory):
     return make_copy_pair(tmp_path_factory.mktemp("copy"))

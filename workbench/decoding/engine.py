@@ -20,7 +20,7 @@ import torch
 from workbench.decoding.events import GenerationResult, StepEvent
 from workbench.decoding.proposers import EagleProposer, NgramProposer, Proposer
 from workbench.decoding.sampling import (Acceptor, SamplingError, SamplingParams, acceptor_for, check_finite,
-                                         probs_from_logits, sample)
+                                         next_token, probs_from_logits)
 
 MAX_K = 16
 
@@ -147,8 +147,7 @@ class SpecDecoder:
         out = pair.verifier(ids, cache, logits_to_keep=1, attention=self.attention)
         logits = out.logits[0]
         check_finite(logits, "verifier logits at the prompt's last position")
-        probs = probs_from_logits(logits, self.params)
-        first = sample(probs[-1], self.generator)
+        first = next_token(logits[-1], self.params, self.generator)
         shown = _shown(logits[-1], self.params, first)
         piece = em.add(first)
         verified = req.prompt_ids + [first]
@@ -229,7 +228,7 @@ def generate_autoregressive(pair, prompt: str | list[int], max_new_tokens: int =
         t = time.perf_counter()
         logits = pair.verifier(x, cache, logits_to_keep=1, attention=attention).logits[0, -1]
         check_finite(logits, f"verifier logits at position {cache.length - 1}")
-        tok = sample(probs_from_logits(logits, params), gen)
+        tok = next_token(logits, params, gen)
         piece = em.add(tok)
         events.append(StepEvent(step=len(events), kind="prefill" if not events else "decode", emitted=[tok],
                                 emitted_text=[piece], emitted_status=["bonus"],

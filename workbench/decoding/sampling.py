@@ -72,6 +72,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Plain decoding's token from 1-D logits: the argmax when greedy (what sampling the one-hot
+    `probs_from_logits` gives, without a multinomial over the vocabulary), else a sample."""
+    if params.greedy:
+        return int(logits.argmax())
+    return sample(probs_from_logits(logits, params), generator)
+
+
 @dataclass
 class Verdict:
     num_accepted: int
