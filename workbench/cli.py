@@ -36,13 +36,17 @@ def _pair_args(p: argparse.ArgumentParser, dtype_default: str | None = "float32"
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=dtype_default, help="float32 | bfloat16 | float16")
     p.add_argument("--attention", default="auto", choices=["torch", "triton", "auto"])
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the per-token forwards: faster decoding after a slow first start "
+                        "(minutes on a small CPU; cached on disk afterwards)")
 
 
 def _load(args):
     import workbench as wb
 
     dtype = args.dtype or default_dtype(args.device)
-    return wb.load_pair(verifier=args.verifier, draft=args.draft, device=args.device, dtype=dtype)
+    pair = wb.load_pair(verifier=args.verifier, draft=args.draft, device=args.device, dtype=dtype)
+    return pair.compile() if args.compile else pair
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -111,7 +115,8 @@ def cmd_bench(args) -> int:
 
 
 def _bench_text(r: dict) -> str:
-    lines = [f"k={r['k']} dtype={r['dtype']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']}",
+    lines = [f"k={r['k']} dtype={r['dtype']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']} "
+             f"threads={r['threads']} compiled={r['compiled']} (warm-up {r['warmup_s']:.1f} s, untimed)",
              f"accept length {r['accept_length']:.3f}  per-position {[round(x, 3) for x in r['per_position_acceptance']]}",
              f"speculative {r['spec_tokens_per_s']:.1f} tok/s  autoregressive {r['ar_tokens_per_s']:.1f} tok/s  "
              f"speedup {r['speedup']:.2f}x (median per prompt {r['speedup_median']:.2f}x)",

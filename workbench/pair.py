@@ -163,9 +163,39 @@ class ModelPair:
 
         return resolve_backend(attention, self.device)
 
+    @property
+    def compiled(self) -> bool:
+        from workbench.compiled import is_compiled
+
+        return is_compiled(self.verifier)
+
+    def compile(self) -> "ModelPair":
+        """torch.compile the verifier's and the draft's per-token forwards (`workbench.compiled`); returns self.
+
+        float32 only: compiled bf16 graphs for 1 token and for k+1 tokens round differently
+        enough (verifier logit gaps up to 0.28 at the flipped tokens on the embedded pair, far
+        past bf16's few-ulp tie tolerance) that greedy speculative output could no longer be
+        called lossless against autoregressive decoding.
+        """
+        from workbench.compiled import compile_model
+
+        if self.dtype != torch.float32:
+            raise ValueError(f"{self.verifier_dir}: compile() needs a float32 pair, this one is "
+                             f"{str(self.dtype).replace('torch.', '')}; load it with dtype='float32' "
+                             "(CLI: --dtype float32 --compile) or run it eager")
+
+        for model in (self.verifier, self.draft):
+            if model is not None:
+                compile_model(model)
+        return self
+
     def with_draft(self, draft_dir: str | Path | None) -> "ModelPair":
         """The same verifier with another draft (None: no draft), e.g. the MHA twin."""
         draft = load_draft(draft_dir, self.verifier) if draft_dir else None
+        if draft is not None and self.compiled:
+            from workbench.compiled import compile_model
+
+            compile_model(draft)
         return ModelPair(self.verifier, draft, self.tokenizer, self.verifier_dir,
                          str(draft_dir) if draft_dir else None, dict(self.info))
 

@@ -1,0 +1,78 @@
+"""torch.compile'd per-token forwards (`workbench.compiled`): same tokens, few graphs, eager where it must be.
+
+Compiling is slow on a 2-core CPU, so one module-scoped pair (2 layers, hidden 64) is compiled
+once and every check runs on it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import workbench as wb
+from conftest import make_random_pair
+from workbench.compiled import is_compiled
+
+PROMPTS = ["def parse(text):\n    ", "class Stack:\n    def push(self, x):\n        "]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    vdir, ddir = make_random_pair(tmp_path_factory.mktemp("compiled"), seed=3, layers=2,
+                                  aux_layer_ids=(0, 1, 1))
+    eager = wb.load_pair(vdir, ddir, dtype="float32")
+    compiled = wb.load_pair(vdir, ddir, dtype="float32").compile()
+    return eager, compiled
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_tokens_equal_eager_and_lossless(pairs):
+    eager, compiled = pairs
+    assert is_compiled(compiled.verifier) and is_compiled(compiled.draft) and not eager.compiled
+    for prompt in PROMPTS:
+        ref = wb.generate_autoregressive(eager, prompt, 24).tokens
+        assert wb.generate_autoregressive(compiled, prompt, 24).tokens == ref
+        for k in (1, 3):
+            assert wb.SpecDecoder(compiled, k).generate(prompt, 24).tokens == ref, (prompt, k)
+    assert compiled.verifier.forward.calls["compiled"] > 0 and compiled.draft.forward.calls["compiled"] > 0
+
+
+def test_compiled_graphs_do_not_grow_with_length(pairs):
+    _, compiled = pairs
+    dec = wb.SpecDecoder(compiled, 3)
+    dec.generate(PROMPTS[0], 16), wb.generate_autoregressive(compiled, PROMPTS[0], 16)  # every shape family
+    before = _graphs()
+    for n in (9, 31, 57):  # new cache lengths, new prompt lengths, new requests
+        dec.generate(PROMPTS[1] + "x = 1\n" * (n // 9), n)
+        wb.generate_autoregressive(compiled, PROMPTS[1] * 2, n)
+    for prompt in ([5], [5, 6], "def"):  # prompts of 1, 2 and a few tokens: prefill stays eager
+        dec.generate(prompt, 12), wb.generate_autoregressive(compiled, prompt, 12)
+    assert _graphs() == before
+
+
+def test_compiled_pair_keeps_eager_for_training_and_prefill(pairs):
+    eager, compiled = pairs
+    ids = torch.tensor([compiled.encode(PROMPTS[1])])
+    calls = dict(compiled.verifier.forward.calls)
+    out = compiled.verifier(ids)  # no cache: the eager naive path
+    torch.testing.assert_close(out.logits, eager.verifier(ids).logits, rtol=0, atol=0)
+    long = ids.repeat(1, 3)  # a prefill longer than ABSORB_MAX_TOKENS: eager, over the cache
+    cache_c, cache_e = compiled.verifier.new_cache(64), eager.verifier.new_cache(64)
+    torch.testing.assert_close(compiled.verifier(long, cache_c).logits, eager.verifier(long, cache_e).logits,
+                               rtol=0, atol=0)
+    assert compiled.verifier.forward.calls["eager"] == calls["eager"] + 2
+    assert compiled.verifier.forward.calls["compiled"] == calls["compiled"]
+    with torch.enable_grad():  # training: eager even for one token over a cache
+        compiled.verifier(ids[:, :1], cache_c)
+    assert compiled.verifier.forward.calls["eager"] == calls["eager"] + 3
+
+
+def test_compile_refuses_low_precision(random_pair_dirs):
+    pair = wb.load_pair(*random_pair_dirs, dtype="bfloat16")
+    with pytest.raises(ValueError, match="float32"):
+        pair.compile()
+    assert not pair.compiled
