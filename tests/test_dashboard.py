@@ -22,7 +22,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from streamlit.testing.v1 import AppTest
 
 from conftest import REPO
-from test_doctor import one_thread  # noqa: F401  (autouse fixture)
 
 APP = str(REPO / "apps" / "dashboard.py")
 SCREENSHOT = REPO / "assets" / "screenshots" / "dashboard.png"
@@ -216,7 +215,7 @@ def test_browser_screenshot(tmp_path):
         pytest.skip(f"{CHROMIUM} is missing")
     sync_api = pytest.importorskip("playwright.sync_api")
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # see one_thread: the server process shares the 2 cores too
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # one thread, as conftest sets in-process: the server shares the 2 cores too
     server = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true", "--server.port", str(port),
          "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],

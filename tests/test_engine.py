@@ -27,16 +27,6 @@ from hypothesis import strategies as st
 import workbench as wb
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: intra-op threads buy nothing, and on a loaded 2-core machine every
-    OpenMP barrier waits for a scheduler slice (measured 80x slower per op with 2 threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _read_prompts(name: str, n: int | None = None) -> list[str]:
     lines = (REPO / "assets" / "prompts" / name).read_text().splitlines()
     return [json.loads(line)["prompt"] for line in lines[:n] if line.strip()]

@@ -8,7 +8,7 @@ import torch
 
 import workbench as wb
 from conftest import make_random_pair
-from test_doctor import PROMPTS, make_copy_pair, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from test_doctor import PROMPTS, make_copy_pair
 from workbench.analysis.fusion import ablate_source, ablation_study, fc_blocks, inspect_fusion
 
 

@@ -10,7 +10,7 @@ import torch
 
 import workbench as wb
 from conftest import make_random_pair
-from test_doctor import PROMPTS, make_copy_pair, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from test_doctor import PROMPTS, make_copy_pair
 from workbench.analysis.metrics import merge_stats
 from workbench.analysis.sweep import run_sweep
 
