@@ -76,3 +76,10 @@ def test_compile_refuses_low_precision(random_pair_dirs):
     with pytest.raises(ValueError, match="float32"):
         pair.compile()
     assert not pair.compiled
+
+
+def test_with_draft_keeps_a_compiled_pair_compiled(pairs):
+    eager, compiled = pairs
+    swapped = compiled.with_draft(compiled.draft_dir)
+    assert swapped.verifier is compiled.verifier and is_compiled(swapped.draft) and swapped.draft is not compiled.draft
+    assert not is_compiled(eager.with_draft(eager.draft_dir).draft)

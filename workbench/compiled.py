@@ -1,8 +1,8 @@
 """torch.compile for the forwards that run once per token: gpt-fast's recipe, on the CPU too.
 
 At the tiny pair's size a decode step is a few hundred small ops and each costs more in
-dispatch than in arithmetic (here a 1x256 @ 256x256 bf16 matmul takes ~40 us, almost all of
-it oneDNN setup and weight reordering). Compiling the verifier's decode/verify forward (1 to
+dispatch than in arithmetic (measured here, one thread: a 1x256 @ 256x256 matmul takes ~8 us
+in fp32 and ~40 us in bf16, where the arithmetic is well under 1 us). Compiling the verifier's decode/verify forward (1 to
 `ABSORB_MAX_TOKENS` new tokens over the cache) and the draft's steps fuses the elementwise
 work into generated C++, and inductor's `freezing` prepacks every weight once, so a token
 costs a fraction of its eager time. Prefill and training stay eager: they are not per-token
@@ -12,7 +12,9 @@ Shapes are dynamic (the cache length and the number of new tokens change every s
 model compiles a handful of graphs once, not one per length: torch specialises sizes of 1,
 so decode (T = 1) and verify / draft first pass (T > 1) are separate graphs, as are "logits
 for the last token" and "logits for all". Inductor caches generated code on disk
-(`TORCHINDUCTOR_CACHE_DIR`), so a second process starts far faster than the first.
+(`TORCHINDUCTOR_CACHE_DIR`), but tracing and freezing run again in every process, so a later
+start is shorter, not instant (minutes on a 2-core CPU for the embedded pair either way).
+float32 only: `ModelPair.compile` says why.
 
 Weights become constants of the compiled graphs: a model whose weights change after
 `compile_model` must be compiled again (training never uses this path).

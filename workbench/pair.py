@@ -183,7 +183,6 @@ class ModelPair:
             raise ValueError(f"{self.verifier_dir}: compile() needs a float32 pair, this one is "
                              f"{str(self.dtype).replace('torch.', '')}; load it with dtype='float32' "
                              "(CLI: --dtype float32 --compile) or run it eager")
-
         for model in (self.verifier, self.draft):
             if model is not None:
                 compile_model(model)
@@ -192,12 +191,9 @@ class ModelPair:
     def with_draft(self, draft_dir: str | Path | None) -> "ModelPair":
         """The same verifier with another draft (None: no draft), e.g. the MHA twin."""
         draft = load_draft(draft_dir, self.verifier) if draft_dir else None
-        if draft is not None and self.compiled:
-            from workbench.compiled import compile_model
-
-            compile_model(draft)
-        return ModelPair(self.verifier, draft, self.tokenizer, self.verifier_dir,
+        pair = ModelPair(self.verifier, draft, self.tokenizer, self.verifier_dir,
                          str(draft_dir) if draft_dir else None, dict(self.info))
+        return pair.compile() if self.compiled else pair  # the shared verifier is compiled already
 
 
 def load_pair(verifier: str | Path | None = None, draft: str | Path | None = None,

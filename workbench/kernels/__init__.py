@@ -47,12 +47,12 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
     Raises ValueError for an unknown name and RuntimeError when "triton" cannot run here.
     """
+    if backend == "torch":  # first: the per-layer hot path, and nothing for torch.compile to trace
+        return "torch"
     if backend not in BACKENDS:
         raise ValueError(f"workbench/kernels/__init__.py: backend must be one of {BACKENDS}, "
                          f"got {backend!r}")
     device = torch.device(device)
-    if backend == "torch":
-        return "torch"
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if not triton_available():
@@ -78,7 +78,7 @@ def mla_attention(q_lat: Tensor, q_pe: Tensor, cache: Tensor, seq_lens: Tensor, 
     `max_seq_len` = max(seq_lens) when the caller knows it: the twin then never syncs (the
     Triton kernel needs no host-side maximum and ignores it).
     """
-    if backend == "torch" or resolve_backend(backend, q_lat.device) == "torch":
+    if resolve_backend(backend, q_lat.device) == "torch":
         return mla_attention_torch(q_lat, q_pe, cache, seq_lens, sm_scale, block_table=block_table,
                                    num_kv_splits=num_kv_splits, max_seq_len=max_seq_len)
     from workbench.kernels.triton_mla import mla_attention_triton
