@@ -6,7 +6,8 @@ total tokens / total time per method, and the per-prompt speedup median is repor
 Losslessness: greedy outputs must be identical. In bf16 the k+1-token verify pass rounds
 differently from one-token decoding, so a near-tie can flip; every divergence is reported with
 the verifier's logit gap between the two candidates, and the run counts as lossless only if
-each gap is within the dtype's rounding (`tie_tolerance`).
+each gap, read from the autoregressive run's own logits, is within the dtype's rounding
+(`tie_tolerance`).
 """
 from __future__ import annotations
 
@@ -27,13 +28,22 @@ def tie_tolerance(logit: float, dtype: torch.dtype, roundings: int = 4) -> float
 
 
 @torch.inference_mode()
-def divergence(pair, prompt_ids: list[int], a: list[int], b: list[int]) -> dict | None:
-    """Where two greedy continuations first differ, and the verifier's logit gap there."""
+def divergence(pair, prompt_ids: list[int], a: list[int], b: list[int], attention: str = "auto") -> dict | None:
+    """Where greedy continuation `b` first leaves the autoregressive `a`, and a's own logit gap there.
+
+    The gap is read from a replay of the autoregressive run itself (same prefill, same one-token
+    steps, so the same kernels and roundings that chose a[j]): if that run's own margin between
+    the two tokens is within rounding, another rounding of the same math may pick either.
+    """
     j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if j is None:
         return None
-    ids = torch.tensor([prompt_ids + a[:j]], device=pair.device)
-    logits = pair.verifier(ids, logits_to_keep=1).logits[0, -1].float()
+    attention = pair.resolve_attention(attention)
+    cache = pair.verifier_cache(len(prompt_ids) + j + 1)
+    x = torch.tensor([prompt_ids], device=pair.device)
+    for t in a[:j] + [None]:
+        logits = pair.verifier(x, cache, logits_to_keep=1, attention=attention).logits[0, -1].float()
+        x = torch.tensor([[t]], device=pair.device) if t is not None else x
     la, lb = float(logits[a[j]]), float(logits[b[j]])
     tol = tie_tolerance(max(abs(la), abs(lb)), pair.dtype)
     return {"position": j, "autoregressive_token": a[j], "speculative_token": b[j], "logit_ar": la,
@@ -69,7 +79,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
         spec_tok, spec_t, ar_tok, ar_t = spec_tok + len(spec.tokens), spec_t + ts, ar_tok + len(ar.tokens), ar_t + ta
         ratios.append((len(spec.tokens) / ts) / (len(ar.tokens) / ta))
         if spec.tokens != ar.tokens:
-            d = divergence(pair, ar.prompt_tokens, ar.tokens, spec.tokens)
+            d = divergence(pair, ar.prompt_tokens, ar.tokens, spec.tokens, attention)
             ties.append({"prompt_index": i, **(d or {"position": min(len(ar.tokens), len(spec.tokens)),
                                                       "tie": False, "note": "same prefix, different lengths"})})
         per_prompt.append({"spec_tokens": len(spec.tokens), "ar_tokens": len(ar.tokens), "spec_s": ts, "ar_s": ta,

@@ -1,0 +1,53 @@
+"""`workbench bench`: the report's figures come from the runs, and a divergence is judged by the reference's own logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import workbench as wb
+from conftest import make_random_pair
+from workbench.analysis.bench import divergence, run_bench, tie_tolerance
+
+PROMPTS = ["def parse(text):\n    ", "class Stack:\n    def push(self, x):\n        "]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return wb.load_pair(*make_random_pair(tmp_path_factory.mktemp("bench"), seed=5, layers=2,
+                                          aux_layer_ids=(0, 1, 1)), dtype="float32")
+
+
+def test_report_pools_the_runs_it_made(pair):
+    r = run_bench(pair, PROMPTS, k=2, max_new_tokens=10, peers=False, progress=False)
+    assert (r["k"], r["num_prompts"], r["dtype"], r["compiled"]) == (2, 2, "float32", False)
+    runs = [wb.SpecDecoder(pair, 2).generate(p, 10) for p in PROMPTS]  # greedy: the same steps again
+    assert [p["spec_tokens"] for p in r["per_prompt"]] == [len(x.tokens) for x in runs]
+    assert [p["accept_length"] for p in r["per_prompt"]] == [x.stats.accept_length for x in runs]
+    spec = sum(p["spec_tokens"] for p in r["per_prompt"]) / sum(p["spec_s"] for p in r["per_prompt"])
+    ar = sum(p["ar_tokens"] for p in r["per_prompt"]) / sum(p["ar_s"] for p in r["per_prompt"])
+    assert r["spec_tokens_per_s"] == pytest.approx(spec) and r["ar_tokens_per_s"] == pytest.approx(ar)
+    assert r["speedup"] == pytest.approx(spec / ar)
+    assert r["lossless"] and r["identical"] and r["ties"] == []  # fp32 greedy: exact
+    assert len(r["per_position_acceptance"]) == 2 and r["warmup_s"] > 0
+
+
+def test_divergence_reads_the_autoregressive_runs_own_margin(pair):
+    prompt = pair.encode(PROMPTS[0])
+    a = wb.generate_autoregressive(pair, prompt, 12).tokens
+    assert divergence(pair, prompt, a, list(a)) is None
+    j = 7
+    with torch.inference_mode():  # an independent reference: one full forward over the prefix, no cache
+        logits = pair.verifier(torch.tensor([prompt + a[:j]])).logits[0, -1]
+    second = int(logits.topk(2).indices[1])
+    assert int(logits.argmax()) == a[j]
+    d = divergence(pair, prompt, a, a[:j] + [second] + a[j + 1:])
+    assert (d["position"], d["autoregressive_token"], d["speculative_token"]) == (j, a[j], second)
+    assert d["gap"] == pytest.approx(float(logits[a[j]] - logits[second]), abs=1e-4)
+    assert d["tolerance"] == tie_tolerance(max(abs(d["logit_ar"]), abs(d["logit_spec"])), torch.float32)
+    assert d["tie"] == (d["gap"] <= d["tolerance"]) and not d["tie"]  # random weights: no fp32 tie here
+
+
+def test_tie_tolerance_is_a_few_units_in_the_last_place():
+    assert tie_tolerance(8.0, torch.bfloat16) == 4 * 8.0 / 256
+    assert tie_tolerance(0.1, torch.bfloat16) == 4 / 256  # never below the rounding of 1.0
+    assert tie_tolerance(8.0, torch.float32) == 4 * 8.0 * 2.0 ** -23
