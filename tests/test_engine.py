@@ -412,3 +412,26 @@ def test_stats_follow_the_events(embedded_pair):
     if all(e.k == 3 for e in eagle.events if e.kind == "spec"):
         assert all(a >= b for a, b in zip(es.per_position_acceptance, es.per_position_acceptance[1:]))
     assert math.isclose(es.accept_length, 1 + es.num_accepted_tokens / es.num_drafts)
+
+
+@pytest.mark.parametrize("attention", ["mla", "mha"])
+def test_greedy_chain_is_the_step_by_step_draft(attention):
+    """`Eagle3Draft.greedy_chain` (one call, argmaxes kept on the device) = first pass + k-1 single steps."""
+    pair = random_pair(seed=2, attention=attention)
+    draft, k = pair.draft, 4
+    with torch.inference_mode():
+        out = pair.verifier(torch.tensor([ID_PROMPTS[2]]))
+        ids = torch.tensor([ID_PROMPTS[2][1:] + [int(out.logits[0, -1].argmax())]])
+        hidden = draft.combine_hidden_states(out.aux_hidden_states)
+        c1, c2 = draft.new_cache(64), draft.new_cache(64)
+        chain, probs = draft.greedy_chain(ids, hidden, c1, k)
+        post, state = draft(ids, hidden, c2)
+        tokens, ps = [], []
+        for i in range(k):
+            p = draft.compute_logits(post)[0, -1].float().softmax(-1)
+            tokens.append(int(p.argmax())), ps.append(float(p.max()))
+            if i + 1 < k:
+                post, state = draft(torch.tensor([[tokens[-1]]]), state[:, -1:], c2)
+    assert chain[0].tolist() == tokens and c1.length == c2.length == ids.shape[1] + k - 1
+    torch.testing.assert_close(probs[0], torch.tensor(ps), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(c1.rows[:, :, : c1.length], c2.rows[:, :, : c2.length], rtol=0, atol=0)

@@ -54,7 +54,10 @@ class KVCache:
         end = start + new_rows.shape[1]
         if end > self.max_len:
             raise ContextLengthError(f"{self.name}: writing up to position {end} exceeds the context of {self.max_len} tokens")
-        self.rows[i, :, start:end] = new_rows
+        if torch.compiler.is_compiling():  # an index write: compiles to one graph for any number of new rows
+            self.rows[i].index_copy_(1, torch.arange(start, end, device=new_rows.device), new_rows)
+        else:
+            self.rows[i, :, start:end] = new_rows
         return self.rows[i, :, :end]
 
     def advance(self, n: int) -> None:

@@ -37,8 +37,8 @@ def _pair_args(p: argparse.ArgumentParser, dtype_default: str | None = "float32"
     p.add_argument("--dtype", default=dtype_default, help="float32 | bfloat16 | float16")
     p.add_argument("--attention", default="auto", choices=["torch", "triton", "auto"])
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the per-token forwards (float32 only): faster decoding after a "
-                        "slow start (minutes on a small CPU, while the graphs compile)")
+                   help="torch.compile the per-token forwards: faster decoding after a slow start "
+                        "(minutes on a small CPU, while the graphs compile)")
 
 
 def _load(args):

@@ -2,29 +2,34 @@
 
 At the tiny pair's size a decode step is a few hundred small ops and each costs more in
 dispatch than in arithmetic (measured here, one thread: a 1x256 @ 256x256 matmul takes ~8 us
-in fp32 and ~40 us in bf16, where the arithmetic is well under 1 us). Compiling the verifier's decode/verify forward (1 to
-`ABSORB_MAX_TOKENS` new tokens over the cache) and the draft's steps fuses the elementwise
-work into generated C++, and inductor's `freezing` prepacks every weight once, so a token
-costs a fraction of its eager time. Prefill and training stay eager: they are not per-token
-costs (and the prefill's expert loop is data-dependent).
+in fp32 and ~40 us in bf16, where the arithmetic is well under 1 us). Compiling the verifier's
+decode/verify forward (1 to `ABSORB_MAX_TOKENS` new tokens over the cache) and the draft's
+greedy chain (first pass + k-1 steps + their lm_heads, one graph) fuses the elementwise work
+into generated C++; inductor's `freezing` prepacks every weight once and its C++ wrapper calls
+the kernels without Python in between. Prefill and training stay eager: they are not
+per-token costs (and the prefill's expert loop is data-dependent).
 
-Shapes are dynamic (the cache length and the number of new tokens change every step), so a
-model compiles a handful of graphs once, not one per length: torch specialises sizes of 1,
-so decode (T = 1) and verify / draft first pass (T > 1) are separate graphs, as are "logits
-for the last token" and "logits for all". Inductor caches generated code on disk
-(`TORCHINDUCTOR_CACHE_DIR`), but tracing and freezing run again in every process, so a later
-start is shorter, not instant (minutes on a 2-core CPU for the embedded pair either way).
-float32 only: `ModelPair.compile` says why.
+One graph per model serves every number of new tokens, 1 included: shapes are dynamic and
+size-oblivious (torch would otherwise specialise T = 1 into a graph of its own), and where a
+matmul's kernel would depend on T the models use plain reductions when compiling. So a
+1-token decode and a k+1-token verify round each row identically, and greedy speculative
+decoding equals autoregressive decoding bit for bit in bf16 as in fp32 (tests/test_compiled.py).
+Compiled and eager bf16 still round differently from each other: compare like with like.
+Inductor caches generated code on disk (`TORCHINDUCTOR_CACHE_DIR`), but tracing and freezing
+run again in every process, so a later start is shorter, not instant (minutes on a 2-core CPU
+for the embedded pair either way).
 
 Weights become constants of the compiled graphs: a model whose weights change after
 `compile_model` must be compiled again (training never uses this path).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
 import torch._inductor.config  # noqa: F401  (the `freezing` switch below)
+import torch.fx.experimental._config as fx_config
 
 from workbench.models.mla import ABSORB_MAX_TOKENS
 
@@ -34,8 +39,8 @@ __all__ = ["CompiledForward", "compile_model", "is_compiled"]
 class CompiledForward:
     """Stands in for `model.forward`: the compiled graph for small cached inference steps, eager otherwise."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.eager = model.forward
+    def __init__(self, fn) -> None:
+        self.eager = fn
         self.signature = inspect.signature(self.eager)
         # Module attributes never change under this wrapper (weights are frozen into the graph),
         # so dynamo's per-parameter guards are skipped: they cost more than a decode step's kernels.
@@ -43,24 +48,34 @@ class CompiledForward:
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.calls = {"compiled": 0, "eager": 0}
 
-    def usable(self, args: tuple, kwargs: dict) -> bool:
-        # A cache holding fewer than 2 tokens is a prefill (or the step after a 1-token prompt):
-        # eager, since torch specialises lengths 0 and 1 and would compile extra graphs for them.
-        bound = self.signature.bind(*args, **kwargs).arguments
-        cache = bound.get("cache")
-        return (cache is not None and cache.length >= 2 and args[0].shape[1] <= ABSORB_MAX_TOKENS
-                and bound.get("attention", "torch") == "torch" and bound.get("path", "auto") != "naive"
+    def usable(self, args: dict) -> bool:
+        # A cache holding fewer than 2 tokens is a prefill (or the step after a 1-token prompt): eager.
+        cache = args.get("cache")
+        return (cache is not None and cache.length >= 2 and args["input_ids"].shape[1] <= ABSORB_MAX_TOKENS
+                and args.get("attention", "torch") == "torch" and args.get("path", "auto") != "naive"
                 and not torch.is_grad_enabled())
 
     def __call__(self, *args, **kwargs):
-        if self.usable(args, kwargs):
-            self.calls["compiled"] += 1
-            # `freezing` must be set while inductor compiles (torch.compile's `options` do not
-            # reach it): weights become constants and linears get oneDNN-prepacked weights.
-            with torch._inductor.config.patch(freezing=True):
-                return self.compiled(*args, **kwargs)
-        self.calls["eager"] += 1
-        return self.eager(*args, **kwargs)
+        bound = self.signature.bind(*args, **kwargs)
+        if not self.usable(bound.arguments):
+            self.calls["eager"] += 1
+            return self.eager(*args, **kwargs)
+        self.calls["compiled"] += 1
+        # One graph for every number of new tokens, so that a 1-token decode and a k+1-token
+        # verify run the same kernels and round each row alike (in bf16 a greedy near-tie would
+        # otherwise flip): no logits_to_keep variant (its rows are cut here instead), and no
+        # specialising T = 1 (size-oblivious shapes, no duck sizing). The model's own code uses
+        # reductions where a matmul's kernel would depend on T (models/mla.py).
+        keep = bound.arguments.pop("logits_to_keep", 0)
+        # `freezing` must be set while inductor compiles (torch.compile's `options` do not reach
+        # it): weights become constants and linears get oneDNN-prepacked weights. The C++
+        # wrapper runs the graph's kernel calls without Python in between.
+        with torch._inductor.config.patch(freezing=True, cpp_wrapper=True), \
+                fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
+            out = self.compiled(**bound.arguments)
+        if keep:
+            out = dataclasses.replace(out, logits=out.logits[:, -keep:], hidden_states=out.hidden_states[:, -keep:])
+        return out
 
 
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -70,7 +85,9 @@ def compile_model(model: torch.nn.Module) -> torch.nn.Module:
     docstring for what is compiled and what stays eager. Calling it twice is a no-op.
     """
     if not is_compiled(model):
-        model.forward = CompiledForward(model)
+        model.forward = CompiledForward(model.forward)
+        if hasattr(model, "greedy_chain"):  # a draft's k greedy steps, one graph (models/draft.py)
+            model.greedy_chain = CompiledForward(model.greedy_chain)
     return model
 
 

@@ -52,22 +52,13 @@ class EagleProposer:
         self.name = f"eagle3-{draft.attention_kind}"
         self.cache = None
         self.seen = 0  # positions whose draft rows were computed from verifier states
+        self.chain_k = 0  # the longest greedy chain run so far (see propose)
 
     def reset(self, max_len: int) -> None:
         if self.cache is None or self.cache.max_len < max_len:
             self.cache = self.draft.new_cache(max_len)
         self.cache.reset()
         self.seen = 0
-
-    def _pick(self, post: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
-        logits = self.draft.compute_logits(post)[0, -1]
-        soft = logits.float().softmax(-1)
-        if self.sampling == "greedy" or self.params.greedy:
-            t = int(logits.argmax())
-            return t, None, float(soft[t])
-        q = probs_from_logits(logits, self.params)
-        t = sample(q, self.generator)
-        return t, q, float(q[t])
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], new_aux: tuple[torch.Tensor, ...] | None, k: int) -> Proposal:
@@ -78,17 +69,25 @@ class EagleProposer:
         self.cache.truncate(self.seen)
         ids = torch.tensor([tokens[self.seen + 1:]], device=device)
         hidden = self.draft.combine_hidden_states(new_aux)
-        post, state = self.draft(ids, hidden, self.cache, attention=self.attention)
         self.seen = len(tokens) - 1
-        out, qs, shown = [], [], []
-        for i in range(k):
-            t, q, p = self._pick(post)
-            out.append(t), qs.append(q), shown.append(p)
+        if self.sampling == "greedy" or self.params.greedy:  # vLLM's EAGLE: argmax proposals, q = 1
+            # The chain runs the longest k asked so far, cut to k: a compiled chain is one graph
+            # per length, and the engine asks for fewer only in a request's last steps.
+            run = max(k, self.chain_k)
+            if self.cache.length + ids.shape[1] + run - 1 > self.cache.max_len:
+                run = k  # no room past the context for the longer chain
+            self.chain_k = max(k, self.chain_k)
+            chain, probs = self.draft.greedy_chain(ids, hidden, self.cache, run, attention=self.attention)
+            return Proposal(chain[0, :k].tolist(), None, probs[0, :k].tolist())
+        post, state = self.draft(ids, hidden, self.cache, attention=self.attention)
+        out, qs = [], []
+        for i in range(k):  # sampled proposals carry their real q for rejection sampling
+            q = probs_from_logits(self.draft.compute_logits(post)[0, -1], self.params)
+            out.append(sample(q, self.generator)), qs.append(q)
             if i + 1 < k:
-                post, state = self.draft(torch.tensor([[t]], device=device), state[:, -1:], self.cache,
+                post, state = self.draft(torch.tensor([[out[-1]]], device=device), state[:, -1:], self.cache,
                                          attention=self.attention)
-        draft_probs = None if qs[0] is None else torch.stack(qs)
-        return Proposal(out, draft_probs, shown)
+        return Proposal(out, torch.stack(qs), [float(q[t]) for q, t in zip(qs, out)])
 
 
 class NgramProposer:

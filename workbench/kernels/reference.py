@@ -115,6 +115,7 @@ def gather_kv(cache: Tensor, seq_lens: Tensor, n: int, block_table: Tensor | Non
     """
     pos = torch.arange(n, device=cache.device)
     if block_table is None:
+        torch._check(n <= cache.shape[1])  # checked by the caller; tells torch.compile's shape reasoning
         kv = cache[:, :n]
     else:
         page_size = cache.shape[1]
@@ -154,12 +155,19 @@ def mla_attention_torch(q_lat: Tensor, q_pe: Tensor, cache: Tensor, seq_lens: Te
                 torch.full((batch, q_len, heads), float("-inf"), device=q_lat.device))
     kv = gather_kv(cache, seq_lens, n, block_table).float()  # [B, n, L+R]
     q = torch.cat([q_lat, q_pe], dim=-1).float()  # [B, Sq, H, L+R]
-    scores = torch.einsum("bshd,btd->bsht", q, kv) * sm_scale  # [B, Sq, H, n]
+    compiling = torch.compiler.is_compiling()  # reductions, not matmuls: the same code for any Sq (models/mla.py)
+    if compiling:
+        scores = (q[:, :, :, None, :] * kv[:, None, None]).sum(-1) * sm_scale
+    else:
+        scores = torch.einsum("bshd,btd->bsht", q, kv) * sm_scale  # [B, Sq, H, n]
     pos = torch.arange(n, device=q.device)
     limit = seq_lens[:, None] - (q_len - 1 - torch.arange(q_len, device=q.device))[None, :]
     visible = pos[None, None, :] < limit[:, :, None]  # [B, Sq, n]
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, Sq, H]; -inf for rows with no visible key
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("bsht,btl->bshl", probs, kv[..., :kv_lora])
+    if compiling:
+        out = (probs[..., None] * kv[:, None, None, :, :kv_lora]).sum(-2)
+    else:
+        out = torch.einsum("bsht,btl->bshl", probs, kv[..., :kv_lora])
     return out.to(q_lat.dtype), lse

@@ -167,3 +167,23 @@ class Eagle3Draft(nn.Module):
         target = torch.arange(self.config.draft_vocab_size, device=logits.device) + self.d2t
         full[..., target] = logits
         return full
+
+    def greedy_chain(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache, k: int,
+                     attention: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+        """The first pass plus k-1 greedy steps with no trip to the host between them.
+
+        Returns proposals [B, k] and each one's draft probability [B, k] (softmax of its logits).
+        Every step reads the previous argmax as a tensor, so once compiled the whole chain is
+        one graph: one call per speculative step instead of k forwards and k eager lm_heads.
+        """
+        forward = type(self).forward  # the eager method, also when `forward` is a compiled wrapper
+        post, state = forward(self, input_ids, hidden, cache, attention=attention)
+        tokens, probs = [], []
+        for i in range(k):
+            logits = self.compute_logits(post[:, -1:]).float()  # [B, 1, V]
+            t = logits.argmax(-1)  # [B, 1]
+            tokens.append(t)
+            probs.append(logits.softmax(-1).gather(-1, t[..., None])[..., 0])
+            if i + 1 < k:
+                post, state = forward(self, t, state[:, -1:], cache, attention=attention)
+        return torch.cat(tokens, 1), torch.cat(probs, 1)

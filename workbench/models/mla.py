@@ -99,11 +99,21 @@ class MLAttention(nn.Module):
         """MQA over the cache rows [B, S_max, L+R] (first seq_len valid, the T new ones last)."""
         B, T = q_nope.shape[:2]
         w_uk, w_uv = self.absorbed_weights()
-        q_lat = torch.einsum("btnp,npl->btnl", q_nope, w_uk)
+        if torch.compiler.is_compiling():
+            # Compiled, the kernel of a matmul (and einsum's own shape checks) depend on T, so a
+            # 1-token decode and a k+1-token verify would round the same row differently (in bf16
+            # a greedy near-tie then flips). Plain reductions give every row the same code
+            # whatever T is, so one graph serves both and rounds them alike.
+            q_lat = (q_nope.float()[..., None] * w_uk.float()).sum(-2).to(q_nope.dtype)
+        else:
+            q_lat = torch.einsum("btnp,npl->btnl", q_nope, w_uk)
         seq_lens = torch.full((B,), seq_len, dtype=torch.int32, device=q_nope.device)
         o_lat, _ = mla_attention(q_lat, q_pe.contiguous(), cache_rows, seq_lens, self.scale,
                                  max_seq_len=seq_len, backend=backend)
-        o = torch.einsum("btnl,nvl->btnv", o_lat, w_uv)
+        if torch.compiler.is_compiling():  # as for q_lat above
+            o = (o_lat.float()[:, :, :, None, :] * w_uv.float()).sum(-1).to(o_lat.dtype)
+        else:
+            o = torch.einsum("btnl,nvl->btnv", o_lat, w_uv)
         return o.reshape(B, T, self.n_heads * self.v_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
