@@ -12,9 +12,13 @@ per-token costs (and the prefill's expert loop is data-dependent).
 One graph per model serves every number of new tokens, 1 included: shapes are dynamic and
 size-oblivious (torch would otherwise specialise T = 1 into a graph of its own), and where a
 matmul's kernel would depend on T the models use plain reductions when compiling. So a
-1-token decode and a k+1-token verify round each row identically, and greedy speculative
-decoding equals autoregressive decoding bit for bit in bf16 as in fp32 (tests/test_compiled.py).
-Compiled and eager bf16 still round differently from each other: compare like with like.
+1-token decode and a k+1-token verify run the same kernels and, on the pairs measured, round
+each row identically, so greedy speculative decoding equals autoregressive decoding bit for bit
+in bf16 as in fp32 (tests/test_compiled.py). One dependency remains: inductor prepacks bf16
+weights for the batch size of a graph's first call; packed for the verify's k+1 rows, 1-row
+results matched bit for bit on the embedded pair, while packed for 1 row, exact logit ties
+(gap 0.0) could break the other way in a 4-row verify (README, Performance). Compiled and
+eager bf16 round differently from each other: compare like with like.
 Inductor caches generated code on disk (`TORCHINDUCTOR_CACHE_DIR`), but tracing and freezing
 run again in every process, so a later start is shorter, not instant (minutes on a 2-core CPU
 for the embedded pair either way).

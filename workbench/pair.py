@@ -172,9 +172,10 @@ class ModelPair:
     def compile(self) -> "ModelPair":
         """torch.compile the verifier's and the draft's per-token forwards (`workbench.compiled`); returns self.
 
-        Any dtype: one compiled graph serves 1 and k+1 new tokens and rounds every row alike,
-        so in bf16 too, greedy speculative output equals compiled autoregressive output.
-        (Compiled and eager bf16 round differently from each other: compare like with like.)
+        Any dtype: one compiled graph serves 1 and k+1 new tokens with the same kernels, so in
+        bf16 too greedy speculative output equals compiled autoregressive output, up to exact
+        logit ties (see `workbench.compiled` on weight packing). Compiled and eager bf16 round
+        differently from each other: compare like with like.
         """
         from workbench.compiled import compile_model
 
