@@ -40,10 +40,11 @@ def divergence(pair, prompt_ids: list[int], a: list[int], b: list[int], attentio
         return None
     attention = pair.resolve_attention(attention)
     cache = pair.verifier_cache(len(prompt_ids) + j + 1)
-    x = torch.tensor([prompt_ids], device=pair.device)
-    for t in a[:j] + [None]:
-        logits = pair.verifier(x, cache, logits_to_keep=1, attention=attention).logits[0, -1].float()
-        x = torch.tensor([[t]], device=pair.device) if t is not None else x
+    step = lambda ids: pair.verifier(torch.tensor([ids], device=pair.device), cache, logits_to_keep=1,  # noqa: E731
+                                     attention=attention).logits[0, -1].float()
+    logits = step(prompt_ids)
+    for t in a[:j]:
+        logits = step([t])
     la, lb = float(logits[a[j]]), float(logits[b[j]])
     tol = tie_tolerance(max(abs(la), abs(lb)), pair.dtype)
     return {"position": j, "autoregressive_token": a[j], "speculative_token": b[j], "logit_ar": la,

@@ -73,10 +73,9 @@ class EagleProposer:
         if self.sampling == "greedy" or self.params.greedy:  # vLLM's EAGLE: argmax proposals, q = 1
             # The chain runs the longest k asked so far, cut to k: a compiled chain is one graph
             # per length, and the engine asks for fewer only in a request's last steps.
-            run = max(k, self.chain_k)
-            if self.cache.length + ids.shape[1] + run - 1 > self.cache.max_len:
-                run = k  # no room past the context for the longer chain
             self.chain_k = max(k, self.chain_k)
+            room = self.cache.length + ids.shape[1] + self.chain_k - 1 <= self.cache.max_len
+            run = self.chain_k if room else k  # near the context's end: only the k asked for
             chain, probs = self.draft.greedy_chain(ids, hidden, self.cache, run, attention=self.attention)
             return Proposal(chain[0, :k].tolist(), None, probs[0, :k].tolist())
         post, state = self.draft(ids, hidden, self.cache, attention=self.attention)

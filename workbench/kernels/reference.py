@@ -115,7 +115,6 @@ def gather_kv(cache: Tensor, seq_lens: Tensor, n: int, block_table: Tensor | Non
     """
     pos = torch.arange(n, device=cache.device)
     if block_table is None:
-        torch._check(n <= cache.shape[1])  # checked by the caller; tells torch.compile's shape reasoning
         kv = cache[:, :n]
     else:
         page_size = cache.shape[1]
