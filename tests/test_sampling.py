@@ -151,6 +151,11 @@ def test_greedy_acceptor_verdicts():
         v = acc.verify(proposals, None, logits[:len(proposals) + 1], params, None)
         assert (v.num_accepted, v.next_token) == (accepted, nxt)
         assert v.verifier_probs == pytest.approx([float(logits[i].softmax(-1)[t]) for i, t in enumerate(proposals)])
+        assert v.next_token_prob == pytest.approx(float(logits[accepted].softmax(-1)[nxt]))  # the row it came from
+    hot = wb.SamplingParams(temperature=0.5, top_k=2)  # a greedy acceptor under processed p shows processed p
+    v = acc.verify([1, 2], None, logits, hot, None)
+    assert v.verifier_probs[1] == pytest.approx(float(wb.probs_from_logits(logits[1], hot)[2]))
+    assert v.next_token_prob == pytest.approx(float(wb.probs_from_logits(logits[1], hot)[0]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,10 +246,15 @@ def test_bad_sampling_params(kw, field):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_unusable_logits_are_refused(bad):
-    logits = torch.zeros(2, 5)
-    logits[1, 2] = bad
-    with pytest.raises(wb.SamplingError, match=r"step 3: the logits contain NaN or \+inf"):
-        check_finite(logits, "step 3")
+    for dtype in (torch.float32, torch.bfloat16):  # one reduction finds it wherever it sits, beside any value
+        for width, at in ((5, 2), (37, 0), (37, 36), (8192, 4097)):
+            logits = torch.randn(3, width).to(dtype)
+            logits[1, at] = bad
+            logits[1, (at + 1) % width] = 1e4
+            logits[2] = -math.inf  # only checked once row 1 is fine
+            logits[2, 0] = 0.0
+            with pytest.raises(wb.SamplingError, match=r"step 3: the logits contain NaN or \+inf"):
+                check_finite(logits, "step 3")
     with pytest.raises(wb.SamplingError, match="no finite value"):
         check_finite(torch.full((5,), -math.inf), "step 3")
     check_finite(torch.tensor([0.0, -math.inf, 1.0]), "a masked vocabulary is fine")

@@ -43,7 +43,8 @@ class SamplingParams:
 
 def check_finite(logits: torch.Tensor, where: str) -> None:
     """-inf is a masked token; NaN, +inf (softmax turns it into NaN) or a row with no finite value is an error."""
-    if not torch.isfinite(logits).any(-1).all() or torch.isnan(logits).any() or torch.isposinf(logits).any():
+    # One pass: a row's max is NaN if any entry is, +inf if one is, -inf if none is finite.
+    if not bool(torch.isfinite(logits.amax(-1)).all()):
         raise SamplingError(f"{where}: the logits contain NaN or +inf (or no finite value); the model's weights or "
                             "inputs are broken (a corrupt checkpoint, or an overflow in this dtype)")
 
@@ -106,13 +107,17 @@ class GreedyAcceptor:
 
     def verify(self, proposals, draft_probs, target_logits, params, generator) -> Verdict:
         argmax = target_logits.argmax(-1).tolist()  # [k+1]
-        shown = _display_probs(target_logits, params)
         k = len(proposals)
         a = 0
         while a < k and proposals[a] == argmax[a]:
             a += 1
-        p = [float(shown[i, t]) for i, t in enumerate(proposals)]
-        return Verdict(a, argmax[a], p, float(shown[a, argmax[a]]))
+        rows, picked = list(range(k)) + [a], proposals + [argmax[a]]
+        if params.greedy:  # the shown softmax values only, from each row's logsumexp (no [k+1, V] softmax)
+            logits = target_logits.float()
+            shown = (logits[rows, picked] - logits.logsumexp(-1)[rows]).exp().tolist()
+        else:
+            shown = _display_probs(target_logits, params)[rows, picked].tolist()
+        return Verdict(a, argmax[a], shown[:k], shown[k])
 
 
 class RejectionAcceptor:
