@@ -178,12 +178,16 @@ class Eagle3Draft(nn.Module):
         """
         forward = type(self).forward  # the eager method, also when `forward` is a compiled wrapper
         post, state = forward(self, input_ids, hidden, cache, attention=attention)
+        head = self.part("lm_head")
         tokens, probs = [], []
         for i in range(k):
-            logits = self.compute_logits(post[:, -1:]).float()  # [B, 1, V]
-            t = logits.argmax(-1)  # [B, 1]
+            # Over the draft's own vocabulary: the same argmax and softmax as compute_logits'
+            # scattered row (-inf elsewhere), without building a full-vocabulary row per step.
+            logits = head(post[:, -1:]).float()  # [B, 1, draft_vocab]
+            d = logits.argmax(-1)  # [B, 1]
+            probs.append(logits.softmax(-1).gather(-1, d[..., None])[..., 0])
+            t = d + self.d2t[d] if hasattr(self, "d2t") else d
             tokens.append(t)
-            probs.append(logits.softmax(-1).gather(-1, t[..., None])[..., 0])
             if i + 1 < k:
                 post, state = forward(self, t, state[:, -1:], cache, attention=attention)
         return torch.cat(tokens, 1), torch.cat(probs, 1)
