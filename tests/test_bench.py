@@ -29,6 +29,11 @@ def test_report_pools_the_runs_it_made(pair):
     assert r["speedup"] == pytest.approx(spec / ar)
     assert r["lossless"] and r["identical"] and r["ties"] == []  # fp32 greedy: exact
     assert len(r["per_position_acceptance"]) == 2 and r["warmup_s"] > 0
+    assert r["spec_steps"] == sum(sum(e.kind == "spec" for e in x.events) for x in runs)
+    # the time split covers the speculative runs: steps (draft + verify) and prefills, a little Python besides
+    split = r["draft_time_s"] + r["verify_time_s"] + r["prefill_time_s"]
+    assert 0 < split <= sum(p["spec_s"] for p in r["per_prompt"]) and r["prefill_time_s"] > 0
+    assert 0 < r["ar_prefill_time_s"] < sum(p["ar_s"] for p in r["per_prompt"])
 
 
 def test_divergence_reads_the_autoregressive_runs_own_margin(pair):

@@ -54,6 +54,24 @@ def test_compiled_graphs_do_not_grow_with_length(pairs):
     assert _graphs() == before
 
 
+def test_a_long_prompt_keeps_the_draft_chain_compiled(pairs):
+    """The first pass after a prefill covers the prompt (more tokens than the compiled chain takes):
+    its prefix runs eagerly, like the prefill, and every step's chain is still one compiled call."""
+    from workbench.models.mla import ABSORB_MAX_TOKENS
+
+    eager, compiled = pairs
+    prompt = PROMPTS[1] + "x = 1\n" * 6
+    assert len(compiled.encode(prompt)) > ABSORB_MAX_TOKENS + 1
+    dec = wb.SpecDecoder(compiled, 3)
+    dec.generate(PROMPTS[0], 8)
+    before = dict(compiled.draft.greedy_chain.calls)
+    out = dec.generate(prompt, 24)
+    steps = sum(e.kind == "spec" for e in out.events)
+    calls = compiled.draft.greedy_chain.calls
+    assert calls["eager"] == before["eager"] and calls["compiled"] == before["compiled"] + steps
+    assert out.tokens == wb.generate_autoregressive(eager, prompt, 24).tokens
+
+
 def test_compiled_pair_keeps_eager_for_training_and_prefill(pairs):
     eager, compiled = pairs
     ids = torch.tensor([compiled.encode(PROMPTS[1])])

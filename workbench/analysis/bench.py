@@ -67,6 +67,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     # (verify and draft steps of 1 and of several tokens both occur within 32 tokens).
     _, warmup_s = _timed(lambda: (dec.generate(prompts[0], max_new_tokens=32), ar_fn(prompts[0])))
     spec_events, spec_tok, spec_t, ar_tok, ar_t, ratios, ties, per_prompt = [], 0, 0.0, 0, 0.0, [], [], []
+    ar_prefill_t = 0.0
     bar = _bar(len(prompts), "bench", progress)
     for i, prompt in enumerate(prompts):
         runs_s, runs_a = [], []
@@ -77,6 +78,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
         spec, ts = runs_s[0][0], statistics.median(t for _, t in runs_s)
         ar, ta = runs_a[0][0], statistics.median(t for _, t in runs_a)
         spec_events += spec.events
+        ar_prefill_t += ar.events[0].verify_time
         spec_tok, spec_t, ar_tok, ar_t = spec_tok + len(spec.tokens), spec_t + ts, ar_tok + len(ar.tokens), ar_t + ta
         ratios.append((len(spec.tokens) / ts) / (len(ar.tokens) / ta))
         if spec.tokens != ar.tokens:
@@ -98,7 +100,10 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
         "accepted_length_histogram": stats.accepted_length_histogram,
         "spec_tokens_per_s": spec_tok / spec_t, "ar_tokens_per_s": ar_tok / ar_t,
         "speedup": (spec_tok / spec_t) / (ar_tok / ar_t), "speedup_median": statistics.median(ratios),
-        "draft_time_s": stats.draft_time, "verify_time_s": stats.verify_time,
+        # Where a speculative run's time goes: its steps' draft and verify time, and per request the
+        # prompt's prefill (the same work as the autoregressive run's first forward, also reported).
+        "spec_steps": sum(e.kind == "spec" for e in spec_events), "draft_time_s": stats.draft_time,
+        "verify_time_s": stats.verify_time, "prefill_time_s": stats.prefill_time, "ar_prefill_time_s": ar_prefill_t,
         "lossless": all(t.get("tie") for t in ties), "identical": not ties, "ties": ties, "per_prompt": per_prompt,
     }
     if peers:

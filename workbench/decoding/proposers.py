@@ -17,7 +17,9 @@ from typing import Protocol
 
 import torch
 
+from workbench.compiled import is_compiled
 from workbench.decoding.sampling import SamplingParams, probs_from_logits, sample
+from workbench.models.mla import ABSORB_MAX_TOKENS
 from workbench.models.draft import Eagle3Draft
 
 
@@ -76,6 +78,13 @@ class EagleProposer:
             self.chain_k = max(k, self.chain_k)
             room = self.cache.length + ids.shape[1] + self.chain_k - 1 <= self.cache.max_len
             run = self.chain_k if room else k  # near the context's end: only the k asked for
+            if ids.shape[1] > ABSORB_MAX_TOKENS and is_compiled(self.draft):
+                # After a prefill the first pass covers the whole prompt, more tokens than the compiled
+                # chain takes: run all but its last position eagerly, as the prefill is, so the chain
+                # itself (the last position's pass and k-1 steps) stays one compiled call.
+                self.draft(ids[:, :-1], hidden[:, :-1], self.cache, attention=self.attention)
+                fresh = torch.contiguous_format  # a slice's strides would fail the compiled chain's stride guards
+                ids, hidden = ids[:, -1:].clone(memory_format=fresh), hidden[:, -1:].clone(memory_format=fresh)
             chain, probs = self.draft.greedy_chain(ids, hidden, self.cache, run, attention=self.attention)
             return Proposal(chain[0, :k].tolist(), None, probs[0, :k].tolist())
         post, state = self.draft(ids, hidden, self.cache, attention=self.attention)
