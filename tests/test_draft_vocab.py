@@ -114,3 +114,21 @@ def test_save_model_round_trips_the_reduced_draft(tmp_path):
     save_model(small, tmp_path / "d")
     again = wb.load_draft(tmp_path / "d", pair.verifier)
     assert torch.equal(again.d2t, small.d2t) and torch.equal(again.lm_head.weight, small.lm_head.weight)
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_a_draft_in_its_own_dtype_decodes_losslessly(reduced, tmp_path):
+    """The draft only proposes, so it may run in another dtype than the verifier (the shared
+    embedding, aux states and head are cast at the boundary); output stays the verifier's."""
+    pair = random_pair(seed=4)  # fp32 verifier
+    ddir = pair.draft_dir
+    if reduced:
+        save_model(reduce_draft_vocab(pair.draft, _keep(512, 64, seed=5)), tmp_path / "d")
+        ddir = tmp_path / "d"
+    draft = wb.load_draft(ddir, pair.verifier, dtype="bfloat16")
+    assert draft.fc.weight.dtype == torch.bfloat16 and pair.verifier.lm_head.weight.dtype == torch.float32
+    mixed = wb.ModelPair(pair.verifier, draft, pair.tokenizer, pair.verifier_dir, str(ddir))
+    for prompt in ID_PROMPTS[:2]:
+        res = wb.SpecDecoder(mixed, 3).generate(prompt, 24)
+        assert res.tokens == autoregressive(pair, prompt, 24).tokens
+        assert sum(len(e.proposed) for e in res.events) > 0

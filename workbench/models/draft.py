@@ -135,7 +135,7 @@ class Eagle3Draft(nn.Module):
 
     def combine_hidden_states(self, aux: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
         """fc over concat(h_lo, h_mid, h_hi): [B, T, 3H] -> [B, T, H]."""
-        return self.fc(torch.cat(list(aux), dim=-1))
+        return self.fc(torch.cat(list(aux), dim=-1).to(self.fc.weight.dtype))  # the draft may run in its own dtype
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache | None = None,
                 positions: torch.Tensor | None = None, path: str = "auto",
@@ -151,7 +151,7 @@ class Eagle3Draft(nn.Module):
             cache.check_room(T)
         if positions is None:
             positions = torch.arange(start, start + T, device=input_ids.device)[None]
-        embeds = self.part("embed_tokens")(input_ids)
+        embeds = self.part("embed_tokens")(input_ids).to(self.norm.weight.dtype)
         pre = self.layers[0](embeds, hidden, positions, cache, path=path, backend=attention)
         if cache is not None:
             cache.advance(T)
@@ -160,7 +160,8 @@ class Eagle3Draft(nn.Module):
 
     def compute_logits(self, post: torch.Tensor) -> torch.Tensor:
         """Logits over the verifier's vocabulary (draft-vocab logits scattered through d2t)."""
-        logits = self.part("lm_head")(post)
+        head = self.part("lm_head")
+        logits = head(post.to(head.weight.dtype))
         if self.config.draft_vocab_size == self.config.vocab_size:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
@@ -183,7 +184,7 @@ class Eagle3Draft(nn.Module):
         for i in range(k):
             # Over the draft's own vocabulary: the same argmax and softmax as compute_logits'
             # scattered row (-inf elsewhere), without building a full-vocabulary row per step.
-            logits = head(post[:, -1:]).float()  # [B, 1, draft_vocab]
+            logits = head(post[:, -1:].to(head.weight.dtype)).float()  # [B, 1, draft_vocab]
             d = logits.argmax(-1)  # [B, 1]
             probs.append(logits.softmax(-1).gather(-1, d[..., None])[..., 0])
             t = d + self.d2t[d] if hasattr(self, "d2t") else d
