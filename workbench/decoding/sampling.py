@@ -111,12 +111,7 @@ class GreedyAcceptor:
         a = 0
         while a < k and proposals[a] == argmax[a]:
             a += 1
-        rows, picked = list(range(k)) + [a], proposals + [argmax[a]]
-        if params.greedy:  # the shown softmax values only, from each row's logsumexp (no [k+1, V] softmax)
-            logits = target_logits.float()
-            shown = (logits[rows, picked] - logits.logsumexp(-1)[rows]).exp().tolist()
-        else:
-            shown = _display_probs(target_logits, params)[rows, picked].tolist()
+        shown = _display_probs(target_logits, params)[list(range(k)) + [a], proposals + [argmax[a]]].tolist()
         return Verdict(a, argmax[a], shown[:k], shown[k])
 
 
