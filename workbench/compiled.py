@@ -32,7 +32,6 @@ import dataclasses
 import inspect
 
 import torch
-import torch._inductor.config  # noqa: F401  (the `freezing` switch below)
 import torch.fx.experimental._config as fx_config
 
 from workbench.models.mla import ABSORB_MAX_TOKENS
@@ -44,6 +43,8 @@ class CompiledForward:
     """Stands in for `model.forward`: the compiled graph for small cached inference steps, eager otherwise."""
 
     def __init__(self, fn) -> None:
+        import torch._inductor.config  # noqa: F401  (the `freezing` switch; here, not at import: it pulls in Triton)
+
         self.eager = fn
         self.signature = inspect.signature(self.eager)
         # Module attributes never change under this wrapper (weights are frozen into the graph),

@@ -12,15 +12,15 @@ the next first pass truncates the draft cache to the verified length and rewrite
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from workbench.compiled import is_compiled
 from workbench.decoding.sampling import SamplingParams, probs_from_logits, sample
-from workbench.models.mla import ABSORB_MAX_TOKENS
 from workbench.models.draft import Eagle3Draft
+from workbench.models.mla import ABSORB_MAX_TOKENS
 
 
 @dataclass
@@ -78,7 +78,7 @@ class EagleProposer:
             self.chain_k = max(k, self.chain_k)
             room = self.cache.length + ids.shape[1] + self.chain_k - 1 <= self.cache.max_len
             run = self.chain_k if room else k  # near the context's end: only the k asked for
-            if ids.shape[1] > ABSORB_MAX_TOKENS and _is_compiled(self.draft):
+            if ids.shape[1] > ABSORB_MAX_TOKENS and is_compiled(self.draft):
                 # After a prefill the first pass covers the whole prompt, more tokens than the compiled
                 # chain takes: run all but its last position eagerly, as the prefill is, so the chain
                 # itself (the last position's pass and k-1 steps) stays one compiled call.
@@ -96,13 +96,6 @@ class EagleProposer:
                 post, state = self.draft(torch.tensor([[out[-1]]], device=device), state[:, -1:], self.cache,
                                          attention=self.attention)
         return Proposal(out, torch.stack(qs), [float(q[t]) for q, t in zip(qs, out)])
-
-
-def _is_compiled(model: torch.nn.Module) -> bool:
-    # Nothing is compiled unless workbench.compiled was imported; importing it here would pull in
-    # torch._inductor (and Triton) for every eager user.
-    compiled = sys.modules.get("workbench.compiled")
-    return compiled is not None and compiled.is_compiled(model)
 
 
 class NgramProposer:

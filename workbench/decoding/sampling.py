@@ -107,12 +107,13 @@ class GreedyAcceptor:
 
     def verify(self, proposals, draft_probs, target_logits, params, generator) -> Verdict:
         argmax = target_logits.argmax(-1).tolist()  # [k+1]
+        shown = _display_probs(target_logits, params)
         k = len(proposals)
         a = 0
         while a < k and proposals[a] == argmax[a]:
             a += 1
-        shown = _display_probs(target_logits, params)[list(range(k)) + [a], proposals + [argmax[a]]].tolist()
-        return Verdict(a, argmax[a], shown[:k], shown[k])
+        p = [float(shown[i, t]) for i, t in enumerate(proposals)]
+        return Verdict(a, argmax[a], p, float(shown[a, argmax[a]]))
 
 
 class RejectionAcceptor:

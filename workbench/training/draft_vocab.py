@@ -1,10 +1,11 @@
 """A reduced draft vocabulary (EAGLE-3's `d2t`): the draft's lm_head keeps the frequent tokens.
 
-Why: on the tiny pair the shared lm_head (8192 x 256) is the draft step's largest matmul, run
-once per proposal, while the draft layer itself is small; EAGLE-3 drafts for Llama-3 keep 32k
-of 128k tokens for the same reason. A draft trained against the verifier's frozen head gives,
-on the rows it keeps, exactly the logits it had, so its greedy proposal only changes where the
-full argmax was a token it dropped (rare tokens, which it seldom gets right anyway).
+Why: the draft's lm_head runs once per proposal, and with a large vocabulary it is the draft
+step's largest matmul; EAGLE-3 drafts for Llama-3 keep 32k of 128k tokens for that reason. A
+draft trained against the verifier's frozen head gives, on the rows it keeps, exactly the
+logits it had, so its greedy proposal only changes where the full argmax was a dropped token.
+(On the tiny pair, 2048 of 8192 tokens kept the accept length to four digits but saved little
+time: see assets/tiny-kimi/TRAINING.md.)
 
 Conventions (SpecForge writes them, vLLM and SGLang read them): draft ids are the kept target
 ids in increasing order; `d2t[i] = target_id - i` (int64), so target id = i + d2t[i]; the
@@ -52,8 +53,8 @@ def select_tokens(counts: torch.Tensor, size: int, always: tuple[int, ...] = ())
                          f"always and at most the vocabulary's {vocab}")
     score = counts.double().clone()
     score[list(always)] = float("inf")
-    order = sorted(range(vocab), key=lambda i: (-score[i].item(), i))
-    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+    order = torch.sort(score, descending=True, stable=True).indices  # stable: ties keep the lower id first
+    return order[:size].sort().values
 
 
 def reduce_draft_vocab(draft: Eagle3Draft, keep: torch.Tensor) -> Eagle3Draft:
@@ -93,13 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the saved weights")
     args = p.parse_args(argv)
-    verifier = wb.load_verifier(args.verifier, dtype="float32")
-    draft = wb.load_draft(args.draft, verifier)
-    counts = count_tokens(args.data, verifier.config.vocab_size)
-    eos = verifier.config.eos_token_id
-    always = tuple(sorted(set(eos if isinstance(eos, list) else [] if eos is None else [eos])))  # EOS stays proposable
-    keep = select_tokens(counts, args.size, always)
-    reduced = reduce_draft_vocab(draft, keep)
+    pair = wb.load_pair(args.verifier, args.draft, dtype="float32")
+    counts = count_tokens(args.data, pair.verifier.config.vocab_size)
+    keep = select_tokens(counts, args.size, always=tuple(pair.eos_token_ids))  # EOS stays proposable
+    reduced = reduce_draft_vocab(pair.draft, keep)
     save_model(reduced, args.out, dtype=getattr(torch, args.dtype))
     covered = counts[keep].sum().item() / max(counts.sum().item(), 1)
     print(json.dumps({"out": args.out, "draft_vocab_size": args.size, "coverage": round(covered, 5),
