@@ -5,20 +5,23 @@ dispatch than in arithmetic (measured here, one thread: a 1x256 @ 256x256 matmul
 in fp32 and ~40 us in bf16, where the arithmetic is well under 1 us). Compiling the verifier's
 decode/verify forward (1 to `ABSORB_MAX_TOKENS` new tokens over the cache) and the draft's
 greedy chain (first pass + k-1 steps + their lm_heads, one graph) fuses the elementwise work
-into generated C++; inductor's `freezing` prepacks every weight once and its C++ wrapper calls
-the kernels without Python in between. Prefill and training stay eager: they are not
-per-token costs (and the prefill's expert loop is data-dependent).
+into generated C++; inductor's `freezing` makes every weight a constant; `max_autotune` with
+the CPP GEMM backend generates each linear as C++ over weights packed once, where oneDNN's
+prepacked linear cost 40-80 us a call at these sizes (profiled on the embedded pair: a 1-token
+verifier step went from 3.2-4.3 ms to 1.8-2.5 ms, medians of 200 calls); and the C++ wrapper
+calls the kernels without Python in between. Prefill and training stay eager: they are not per-token costs (and
+the prefill's expert loop is data-dependent).
 
 One graph per model serves every number of new tokens, 1 included: shapes are dynamic and
 size-oblivious (torch would otherwise specialise T = 1 into a graph of its own), and where a
 matmul's kernel would depend on T the models use plain reductions when compiling. So a
 1-token decode and a k+1-token verify run the same kernels and, on the pairs measured, round
 each row identically, so greedy speculative decoding equals autoregressive decoding bit for bit
-in bf16 as in fp32 (tests/test_compiled.py). One dependency remains: inductor prepacks bf16
-weights for the batch size of a graph's first call; packed for the verify's k+1 rows, 1-row
-results matched bit for bit on the embedded pair, while packed for 1 row, exact logit ties
-(gap 0.0) could break the other way in a 4-row verify (README, Performance). Compiled and
-eager bf16 round differently from each other: compare like with like.
+in bf16 as in fp32 (tests/test_compiled.py). With oneDNN's linears one dependency remained,
+weights prepacked for the batch size of a graph's first call; the CPP GEMMs have none measured:
+compiled 1-token-first on the embedded pair, 1-row and 4-row verifier logits were identical on
+all 576 rows checked (12 prompts x 48 tokens). Compiled and eager bf16 round differently from
+each other: compare like with like.
 Inductor caches generated code on disk (`TORCHINDUCTOR_CACHE_DIR`), but tracing and freezing
 run again in every process, so a later start is shorter, not instant (minutes on a 2-core CPU
 for the embedded pair either way).
@@ -73,9 +76,12 @@ class CompiledForward:
         # reductions where a matmul's kernel would depend on T (models/mla.py).
         keep = bound.arguments.pop("logits_to_keep", 0)
         # `freezing` must be set while inductor compiles (torch.compile's `options` do not reach
-        # it): weights become constants and linears get oneDNN-prepacked weights. The C++
-        # wrapper runs the graph's kernel calls without Python in between.
-        with torch._inductor.config.patch(freezing=True, cpp_wrapper=True), \
+        # it): weights become constants. `max_autotune` with the CPP backend generates each
+        # linear as a C++ GEMM over prepacked weights (a oneDNN call costs tens of microseconds
+        # at these sizes, whatever the arithmetic). The C++ wrapper runs the graph's kernel
+        # calls without Python in between.
+        with torch._inductor.config.patch(freezing=True, cpp_wrapper=True, max_autotune=True,
+                                          max_autotune_gemm_backends="CPP"), \
                 fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
             out = self.compiled(**bound.arguments)
         if keep:
