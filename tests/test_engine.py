@@ -432,6 +432,10 @@ def test_greedy_chain_is_the_step_by_step_draft(attention):
             tokens.append(int(p.argmax())), ps.append(float(p.max()))
             if i + 1 < k:
                 post, state = draft(torch.tensor([[tokens[-1]]]), state[:, -1:], c2)
+        c3 = draft.new_cache(64)  # unfused aux states: the chain runs fc itself (the proposer's call)
+        chain_aux, probs_aux = draft.greedy_chain(ids, out.aux_hidden_states, c3, k)
     assert chain[0].tolist() == tokens and c1.length == c2.length == ids.shape[1] + k - 1
     torch.testing.assert_close(probs[0], torch.tensor(ps), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(c1.rows[:, :, : c1.length], c2.rows[:, :, : c2.length], rtol=0, atol=0)
+    assert torch.equal(chain_aux, chain) and torch.equal(probs_aux, probs)
+    torch.testing.assert_close(c3.rows[:, :, : c3.length], c1.rows[:, :, : c1.length], rtol=0, atol=0)

@@ -70,7 +70,6 @@ class EagleProposer:
         device = self.draft.norm.weight.device
         self.cache.truncate(self.seen)
         ids = torch.tensor([tokens[self.seen + 1:]], device=device)
-        hidden = self.draft.combine_hidden_states(new_aux)
         self.seen = len(tokens) - 1
         if self.sampling == "greedy" or self.params.greedy:  # vLLM's EAGLE: argmax proposals, q = 1
             # The chain runs the longest k asked so far, cut to k: a compiled chain is one graph
@@ -82,11 +81,15 @@ class EagleProposer:
                 # After a prefill the first pass covers the whole prompt, more tokens than the compiled
                 # chain takes: run all but its last position eagerly, as the prefill is, so the chain
                 # itself (the last position's pass and k-1 steps) stays one compiled call.
-                self.draft(ids[:, :-1], hidden[:, :-1], self.cache, attention=self.attention)
+                prefix = self.draft.combine_hidden_states(tuple(h[:, :-1] for h in new_aux))
+                self.draft(ids[:, :-1], prefix, self.cache, attention=self.attention)
                 fresh = torch.contiguous_format  # a slice's strides would fail the compiled chain's stride guards
-                ids, hidden = ids[:, -1:].clone(memory_format=fresh), hidden[:, -1:].clone(memory_format=fresh)
-            chain, probs = self.draft.greedy_chain(ids, hidden, self.cache, run, attention=self.attention)
+                ids = ids[:, -1:].clone(memory_format=fresh)
+                new_aux = tuple(h[:, -1:].clone(memory_format=fresh) for h in new_aux)
+            # The aux states go in unfused: the chain runs fc itself, inside its compiled graph.
+            chain, probs = self.draft.greedy_chain(ids, tuple(new_aux), self.cache, run, attention=self.attention)
             return Proposal(chain[0, :k].tolist(), None, probs[0, :k].tolist())
+        hidden = self.draft.combine_hidden_states(new_aux)
         post, state = self.draft(ids, hidden, self.cache, attention=self.attention)
         out, qs = [], []
         for i in range(k):  # sampled proposals carry their real q for rejection sampling

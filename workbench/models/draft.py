@@ -169,14 +169,18 @@ class Eagle3Draft(nn.Module):
         full[..., target] = logits
         return full
 
-    def greedy_chain(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache, k: int,
-                     attention: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    def greedy_chain(self, input_ids: torch.Tensor, hidden: torch.Tensor | tuple[torch.Tensor, ...],
+                     cache: KVCache, k: int, attention: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
         """The first pass plus k-1 greedy steps with no trip to the host between them.
 
+        `hidden` is the fused state [B, T, H], or the verifier's aux states (a tuple), which `fc`
+        then fuses here, inside the chain's graph once compiled, rather than as an eager call.
         Returns proposals [B, k] and each one's draft probability [B, k] (softmax of its logits).
         Every step reads the previous argmax as a tensor, so once compiled the whole chain is
         one graph: one call per speculative step instead of k forwards and k eager lm_heads.
         """
+        if isinstance(hidden, (tuple, list)):
+            hidden = self.combine_hidden_states(hidden)
         forward = type(self).forward  # the eager method, also when `forward` is a compiled wrapper
         post, state = forward(self, input_ids, hidden, cache, attention=attention)
         head = self.part("lm_head")
