@@ -9,8 +9,8 @@ into generated C++; inductor's `freezing` makes every weight a constant; `max_au
 the CPP GEMM backend generates each linear as C++ over weights packed once, where oneDNN's
 prepacked linear cost 40-80 us a call at these sizes (profiled on the embedded pair: a 1-token
 verifier step went from 3.2-4.3 ms to 1.8-2.5 ms, medians of 200 calls); and the C++ wrapper
-calls the kernels without Python in between. Prefill and training stay eager: they are not per-token costs (and
-the prefill's expert loop is data-dependent).
+calls the kernels without Python in between. Prefill and training stay eager: they are not
+per-token costs (and the prefill's expert loop is data-dependent).
 
 One graph per model serves every number of new tokens, 1 included: shapes are dynamic and
 size-oblivious (torch would otherwise specialise T = 1 into a graph of its own), and where a
@@ -76,10 +76,7 @@ class CompiledForward:
         # reductions where a matmul's kernel would depend on T (models/mla.py).
         keep = bound.arguments.pop("logits_to_keep", 0)
         # `freezing` must be set while inductor compiles (torch.compile's `options` do not reach
-        # it): weights become constants. `max_autotune` with the CPP backend generates each
-        # linear as a C++ GEMM over prepacked weights (a oneDNN call costs tens of microseconds
-        # at these sizes, whatever the arithmetic). The C++ wrapper runs the graph's kernel
-        # calls without Python in between.
+        # it); the CPP GEMM backend and the C++ wrapper are compile-time choices too (module docstring).
         with torch._inductor.config.patch(freezing=True, cpp_wrapper=True, max_autotune=True,
                                           max_autotune_gemm_backends="CPP"), \
                 fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):

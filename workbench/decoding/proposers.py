@@ -87,7 +87,7 @@ class EagleProposer:
                 ids = ids[:, -1:].clone(memory_format=fresh)
                 new_aux = tuple(h[:, -1:].clone(memory_format=fresh) for h in new_aux)
             # The aux states go in unfused: the chain runs fc itself, inside its compiled graph.
-            chain, probs = self.draft.greedy_chain(ids, tuple(new_aux), self.cache, run, attention=self.attention)
+            chain, probs = self.draft.greedy_chain(ids, new_aux, self.cache, run, attention=self.attention)
             return Proposal(chain[0, :k].tolist(), None, probs[0, :k].tolist())
         hidden = self.draft.combine_hidden_states(new_aux)
         post, state = self.draft(ids, hidden, self.cache, attention=self.attention)
