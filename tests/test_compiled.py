@@ -119,3 +119,20 @@ def test_with_draft_keeps_a_compiled_pair_compiled(pairs):
     swapped = compiled.with_draft(compiled.draft_dir)
     assert swapped.verifier is compiled.verifier and is_compiled(swapped.draft) and swapped.draft is not compiled.draft
     assert not is_compiled(eager.with_draft(eager.draft_dir).draft)
+
+
+def test_two_compiled_pairs_of_one_shape_keep_their_own_weights(pairs, tmp_path):
+    """Weights are frozen into the graphs and module guards are skipped: a second pair of the same
+    architecture must get graphs of its own, not run the first pair's weights."""
+    eager, compiled = pairs
+    vdir, ddir = make_random_pair(tmp_path, seed=5, layers=2, aux_layer_ids=(0, 1, 1))
+    other_eager = wb.load_pair(vdir, ddir, dtype="float32")
+    other = wb.load_pair(vdir, ddir, dtype="float32").compile()
+    for prompt in PROMPTS:
+        first = wb.generate_autoregressive(compiled, prompt, 12).tokens
+        second = wb.generate_autoregressive(other, prompt, 12).tokens
+        assert first == wb.generate_autoregressive(eager, prompt, 12).tokens
+        assert second == wb.generate_autoregressive(other_eager, prompt, 12).tokens
+        assert first[1:] != second[1:]  # two different models (the first token comes from an eager prefill)
+        assert wb.SpecDecoder(other, 3).generate(prompt, 12).tokens == second
+    assert other.verifier.forward.calls["compiled"] > 0 and other.draft.greedy_chain.calls["compiled"] > 0

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -52,7 +53,10 @@ class CompiledForward:
         self.signature = inspect.signature(self.eager)
         # Module attributes never change under this wrapper (weights are frozen into the graph),
         # so dynamo's per-parameter guards are skipped: they cost more than a decode step's kernels.
-        self.compiled = torch.compile(self.eager, dynamic=True, options={
+        # Skipped, nothing tells two modules of one class apart (`self` keeps a type guard only),
+        # and dynamo keeps its graphs per code object: a second pair of the same shapes would run
+        # the first one's frozen weights. So each wrapper compiles its own copy of the code.
+        self.compiled = torch.compile(_own_code(fn), dynamic=True, options={
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.calls = {"compiled": 0, "eager": 0}
 
@@ -84,6 +88,15 @@ class CompiledForward:
         if keep:
             out = dataclasses.replace(out, logits=out.logits[:, -keep:], hidden_states=out.hidden_states[:, -keep:])
         return out
+
+
+def _own_code(method):
+    """`method` (bound) over a distinct copy of its code object, so dynamo's cache for it is its own."""
+    func = method.__func__
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    own.__kwdefaults__, own.__qualname__, own.__doc__ = func.__kwdefaults__, func.__qualname__, func.__doc__
+    return types.MethodType(own, method.__self__)
 
 
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:
