@@ -54,8 +54,13 @@ class KVCache:
         end = start + new_rows.shape[1]
         if end > self.max_len:
             raise ContextLengthError(f"{self.name}: writing up to position {end} exceeds the context of {self.max_len} tokens")
-        if torch.compiler.is_compiling():  # an index write: compiles to one graph for any number of new rows
-            self.rows[i].index_copy_(1, torch.arange(start, end, device=new_rows.device), new_rows)
+        if torch.compiler.is_compiling():
+            # An index write compiles to one graph for any number of new rows. It goes into the
+            # whole buffer, not into the view rows[i]: a write through a view of a graph input is
+            # functionalised into a copy of the entire cache on every call (O(max_len) per token).
+            dev = new_rows.device
+            self.rows.index_put_((torch.full((1, 1), i, device=dev), torch.arange(new_rows.shape[0], device=dev)[:, None],
+                                  torch.arange(start, end, device=dev)[None, :]), new_rows)
         else:
             self.rows[i, :, start:end] = new_rows
         return self.rows[i, :, :end]
