@@ -76,8 +76,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Plain decoding's token from 1-D logits: the argmax when greedy (what sampling the one-hot
     `probs_from_logits` gives, without a multinomial over the vocabulary), else a sample."""
-    if params.greedy:
-        return int(logits.argmax())
+    if params.greedy:  # over fp32, exact for bf16 logits, and ATen's argmax runs ~2x faster on it
+        return int(logits.float().argmax())
     return sample(probs_from_logits(logits, params), generator)
 
 
@@ -96,18 +96,15 @@ class Acceptor(Protocol):
                params: SamplingParams, generator: torch.Generator | None) -> Verdict: ...
 
 
-def _display_probs(target_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    return target_logits.float().softmax(-1) if params.greedy else probs_from_logits(target_logits, params)
-
-
 class GreedyAcceptor:
     """Accept while proposal == verifier argmax (temperature 0)."""
 
     name = "greedy"
 
     def verify(self, proposals, draft_probs, target_logits, params, generator) -> Verdict:
-        argmax = target_logits.argmax(-1).tolist()  # [k+1]
-        shown = _display_probs(target_logits, params)
+        logits = target_logits.float()  # exact for bf16; ATen's argmax is ~2x faster over fp32
+        argmax = logits.argmax(-1).tolist()  # [k+1]
+        shown = logits.softmax(-1) if params.greedy else probs_from_logits(logits, params)
         k = len(proposals)
         a = 0
         while a < k and proposals[a] == argmax[a]:
