@@ -124,10 +124,24 @@ def test_with_draft_keeps_a_compiled_pair_compiled(pairs):
 def test_two_compiled_pairs_of_one_shape_keep_their_own_weights(pairs, tmp_path):
     """Weights are frozen into the graphs and module guards are skipped: a second pair of the same
     architecture must get graphs of its own, not run the first pair's weights."""
+    import torch._inductor.config as inductor_config
+    import torch.fx.experimental._config as fx_config
+    from torch._dynamo.callback import callback_handler
+
     eager, compiled = pairs
     vdir, ddir = make_random_pair(tmp_path, seed=5, layers=2, aux_layer_ids=(0, 1, 1))
     other_eager = wb.load_pair(vdir, ddir, dtype="float32")
     other = wb.load_pair(vdir, ddir, dtype="float32").compile()
+    seen = []  # the settings each compile ran under (workbench.compiled applies them at compile start)
+    record = callback_handler.register_start_callback(lambda *_: seen.append(
+        (inductor_config.freezing, inductor_config.cpp_wrapper, inductor_config.max_autotune,
+         fx_config.backed_size_oblivious, fx_config.use_duck_shape)))
+    try:
+        wb.SpecDecoder(other, 3).generate(PROMPTS[0], 4)  # compiles the new pair's verifier and chain
+    finally:
+        callback_handler.remove_start_callback(record)
+    assert len(seen) >= 2 and set(seen) == {(True, True, True, True, False)}, seen
+    assert not inductor_config.freezing and not fx_config.backed_size_oblivious  # nothing leaks past a call
     for prompt in PROMPTS:
         first = wb.generate_autoregressive(compiled, prompt, 12).tokens
         second = wb.generate_autoregressive(other, prompt, 12).tokens

@@ -31,8 +31,10 @@ Weights become constants of the compiled graphs: a model whose weights change af
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import threading
 import types
 
 import torch
@@ -43,12 +45,45 @@ from workbench.models.mla import ABSORB_MAX_TOKENS
 __all__ = ["CompiledForward", "compile_model", "is_compiled"]
 
 
+# What our graphs compile with. `freezing` must be set while inductor compiles (torch.compile's
+# `options` do not reach it); the CPP GEMM backend, the C++ wrapper and the shape settings are
+# compile-time choices too (module docstring). They are applied from dynamo's compile-start
+# callback, only for compiles inside a CompiledForward call: patching the configs around every
+# call instead cost ~60 us a call, a few percent of a decode step.
+_SETTINGS = ({"freezing": True, "cpp_wrapper": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
+             {"backed_size_oblivious": True, "use_duck_shape": False})
+_inside = threading.local()
+_patches: list[contextlib.ExitStack] = []
+
+
+def _on_compile_start(_args=None) -> None:
+    if getattr(_inside, "active", False):
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._inductor.config.patch(_SETTINGS[0]))
+        stack.enter_context(fx_config.patch(_SETTINGS[1]))
+        _patches.append(stack)
+
+
+def _on_compile_end(_args=None) -> None:
+    if getattr(_inside, "active", False) and _patches:
+        _patches.pop().close()
+
+
+def _register_callbacks() -> None:
+    from torch._dynamo.callback import callback_handler
+
+    if _on_compile_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_on_compile_start)
+        callback_handler.register_end_callback(_on_compile_end)
+
+
 class CompiledForward:
     """Stands in for `model.forward`: the compiled graph for small cached inference steps, eager otherwise."""
 
     def __init__(self, fn) -> None:
         import torch._inductor.config  # noqa: F401  (the `freezing` switch; here, not at import: it pulls in Triton)
 
+        _register_callbacks()
         self.eager = fn
         self.signature = inspect.signature(self.eager)
         # Module attributes never change under this wrapper (weights are frozen into the graph),
@@ -79,12 +114,11 @@ class CompiledForward:
         # specialising T = 1 (size-oblivious shapes, no duck sizing). The model's own code uses
         # reductions where a matmul's kernel would depend on T (models/mla.py).
         keep = bound.arguments.pop("logits_to_keep", 0)
-        # `freezing` must be set while inductor compiles (torch.compile's `options` do not reach
-        # it); the CPP GEMM backend and the C++ wrapper are compile-time choices too (module docstring).
-        with torch._inductor.config.patch(freezing=True, cpp_wrapper=True, max_autotune=True,
-                                          max_autotune_gemm_backends="CPP"), \
-                fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
+        _inside.active = True  # dynamo, if it compiles during this call, applies _SETTINGS
+        try:
             out = self.compiled(**bound.arguments)
+        finally:
+            _inside.active = False
         if keep:
             out = dataclasses.replace(out, logits=out.logits[:, -keep:], hidden_states=out.hidden_states[:, -keep:])
         return out
