@@ -65,7 +65,9 @@ def _on_compile_start(_args=None) -> None:
 
 
 def _on_compile_end(_args=None) -> None:
-    if getattr(_inside, "active", False) and _patches:
+    # Dynamo runs the callbacks for the outermost of overlapping compiles only (one counter for
+    # every thread), so the end may come on another thread than the start: close what was opened.
+    if _patches:
         _patches.pop().close()
 
 
