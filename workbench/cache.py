@@ -59,8 +59,9 @@ class KVCache:
             # whole buffer, not into the view rows[i]: a write through a view of a graph input is
             # functionalised into a copy of the entire cache on every call (O(max_len) per token).
             dev = new_rows.device
-            self.rows.index_put_((torch.full((1, 1), i, device=dev), torch.arange(new_rows.shape[0], device=dev)[:, None],
-                                  torch.arange(start, end, device=dev)[None, :]), new_rows)
+            index = (torch.full((1, 1), i, device=dev), torch.arange(new_rows.shape[0], device=dev)[:, None],
+                     torch.arange(start, end, device=dev)[None, :])  # layer, batch, position: [B, T]
+            self.rows.index_put_(index, new_rows)
         else:
             self.rows[i, :, start:end] = new_rows
         return self.rows[i, :, :end]
