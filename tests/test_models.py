@@ -212,6 +212,54 @@ def test_naive_and_absorbed_agree_draft_layer():
     check_paths_agree(attn, 2 * 48, seed=8)
 
 
+# --------------------------------------------------------------------------- MoE inference paths
+
+def moe_layer(experts: int, top_k: int, seed: int):
+    from workbench.models.moe import MoE
+    from workbench.training.pretrain import tiny_kimi_config
+
+    cfg = tiny_kimi_config()
+    cfg.hidden_size, cfg.moe_intermediate_size = 48, 24
+    cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group = experts, top_k, 2, 1
+    moe = MoE(cfg)
+    randomise(moe, seed=seed)
+    return moe
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("experts, top_k, dense", [(8, 2, True), (16, 2, False)])
+def test_moe_inference_paths_equal_the_per_expert_loop(experts, top_k, dense):
+    """Few experts run densely (unchosen ones weighted by zero), many are gathered or looped: every
+    inference path equals the per-expert loop that training runs, for 1, 4 and 40 tokens."""
+    moe = moe_layer(experts, top_k, seed=11)
+    assert moe.dense_inference is dense
+    for n in (1, 4, 40):
+        x = torch.randn(n, 48, generator=torch.Generator().manual_seed(n))
+        weights, ids = moe.gate(x)
+        loop = moe._loop_experts(x, weights, ids) + moe.shared_experts(x)
+        assert max_diff(moe(x), loop) <= ATOL
+        assert loop.abs().max() > 0.1
+        with torch.enable_grad():
+            assert torch.equal(moe(x), loop)  # training takes the loop itself
+    moe.dense_inference = not dense  # the other layout is rebuilt, not read from the cache
+    x = torch.randn(4, 48)
+    assert max_diff(moe(x), moe._loop_experts(x, *moe.gate(x)) + moe.shared_experts(x)) <= ATOL
+
+
+@torch.no_grad()
+def test_dense_moe_ignores_unchosen_experts_even_when_they_overflow():
+    """An expert no token chooses contributes exact zeros, not 0 * inf = NaN."""
+    moe = moe_layer(8, 2, seed=12)
+    moe.gate.e_score_correction_bias[0] = -1e4  # expert 0 is never chosen...
+    moe.experts[0].up_proj.weight.fill_(float("inf"))  # ...and would overflow if it ran
+    x = torch.randn(4, 48)
+    weights, ids = moe.gate(x)
+    assert not (ids == 0).any()
+    out = moe(x)
+    assert torch.isfinite(out).all()
+    assert max_diff(out, moe._loop_experts(x, weights, ids) + moe.shared_experts(x)) <= ATOL
+
+
 # --------------------------------------------------------------------------- the draft vs the spec
 
 def draft_config(draft_vocab: int = VOCAB, **over) -> DraftConfig:
