@@ -135,13 +135,14 @@ def test_two_compiled_pairs_of_one_shape_keep_their_own_weights(pairs, tmp_path)
     seen = []  # the settings each compile ran under (workbench.compiled applies them at compile start)
     record = callback_handler.register_start_callback(lambda *_: seen.append(
         (inductor_config.freezing, inductor_config.cpp_wrapper, inductor_config.max_autotune,
-         fx_config.backed_size_oblivious, fx_config.use_duck_shape)))
+         fx_config.backed_size_oblivious, fx_config.use_duck_shape, torch._dynamo.config.specialize_float)))
     try:
         wb.SpecDecoder(other, 3).generate(PROMPTS[0], 4)  # compiles the new pair's verifier and chain
     finally:
         callback_handler.remove_start_callback(record)
-    assert len(seen) >= 2 and set(seen) == {(True, True, True, True, False)}, seen
+    assert len(seen) >= 2 and set(seen) == {(True, True, True, True, False, True)}, seen
     assert not inductor_config.freezing and not fx_config.backed_size_oblivious  # nothing leaks past a call
+    assert not torch._dynamo.config.specialize_float
     for prompt in PROMPTS:
         first = wb.generate_autoregressive(compiled, prompt, 12).tokens
         second = wb.generate_autoregressive(other, prompt, 12).tokens

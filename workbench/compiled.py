@@ -22,9 +22,12 @@ weights prepacked for the batch size of a graph's first call; the CPP GEMMs have
 compiled 1-token-first on the embedded pair, 1-row and 4-row verifier logits were identical on
 all 576 rows checked (12 prompts x 48 tokens). Compiled and eager bf16 round differently from
 each other: compare like with like.
-Inductor caches generated code on disk (`TORCHINDUCTOR_CACHE_DIR`), but tracing and freezing
-run again in every process, so a later start is shorter, not instant (minutes on a 2-core CPU
-for the embedded pair either way).
+Every process compiles these graphs again (minutes on a 2-core CPU for the embedded pair):
+inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`) cannot hold them whole (it refuses graphs
+with oneDNN-packed weights, which cannot be pickled), and the generated C++ carries a comment
+with each frozen weight's id-based hash, so even the C++ compiles afresh. Of a 355 s warm-up of the embedded
+pair (dynamo's compile times, before floats were specialised, see _SETTINGS), a trace that
+dynamo threw away and restarted took 103 s, code generation 81 s and C++ compilation 89 s.
 
 Weights become constants of the compiled graphs: a model whose weights change after
 `compile_model` must be compiled again (training never uses this path).
@@ -47,11 +50,14 @@ __all__ = ["CompiledForward", "compile_model", "is_compiled"]
 
 # What our graphs compile with. `freezing` must be set while inductor compiles (torch.compile's
 # `options` do not reach it); the CPP GEMM backend, the C++ wrapper and the shape settings are
-# compile-time choices too (module docstring). They are applied from dynamo's compile-start
+# compile-time choices too (module docstring). Floats are specialised: otherwise dynamo makes a
+# float of the frame a graph input, fails to keep it one and restarts the whole trace (103 of
+# 355 s of the embedded pair's warm-up). All of these are applied from dynamo's compile-start
 # callback, only for compiles inside a CompiledForward call: patching the configs around every
 # call instead cost ~60 us a call, a few percent of a decode step.
 _SETTINGS = ({"freezing": True, "cpp_wrapper": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
-             {"backed_size_oblivious": True, "use_duck_shape": False})
+             {"backed_size_oblivious": True, "use_duck_shape": False},
+             {"specialize_float": True})
 _inside = threading.local()
 _patches: list[contextlib.ExitStack] = []
 
@@ -61,6 +67,7 @@ def _on_compile_start(_args=None) -> None:
         stack = contextlib.ExitStack()
         stack.enter_context(torch._inductor.config.patch(_SETTINGS[0]))
         stack.enter_context(fx_config.patch(_SETTINGS[1]))
+        stack.enter_context(torch._dynamo.config.patch(_SETTINGS[2]))
         _patches.append(stack)
 
 
