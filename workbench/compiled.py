@@ -25,9 +25,10 @@ each other: compare like with like.
 Every process compiles these graphs again (minutes on a 2-core CPU for the embedded pair):
 inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`) cannot hold them whole (it refuses graphs
 with oneDNN-packed weights, which cannot be pickled), and the generated C++ carries a comment
-with each frozen weight's id-based hash, so even the C++ compiles afresh. Of a 355 s warm-up of the embedded
-pair (dynamo's compile times, before floats were specialised, see _SETTINGS), a trace that
-dynamo threw away and restarted took 103 s, code generation 81 s and C++ compilation 89 s.
+with each frozen weight's id-based hash, so even the C++ compiles afresh. Of a 355 s warm-up
+of the embedded pair (dynamo's compile times, before floats were specialised, see _SETTINGS), a
+trace that dynamo threw away and restarted took 103 s, code generation 81 s and C++ compilation
+89 s.
 
 Weights become constants of the compiled graphs: a model whose weights change after
 `compile_model` must be compiled again (training never uses this path).

@@ -70,10 +70,10 @@ class MoE(nn.Module):
         # eager inference runs every expert on every token, unchosen ones weighted by exact zeros. At
         # most 4x the arithmetic, in two GEMMs instead of gathers or a loop of small ops (eager,
         # embedded pair, one MoE layer, medians: 190 vs 220 us for 1 token, 198 vs 346 for 4, 338 vs
-        # 1550 for a 29-token prompt). Compiled graphs still gather (in place, fused): there dense made
-        # a 1-token decode dearer than it made a 4-token verify cheaper (both compiled in one process,
-        # 16 prompts: autoregressive 382 vs 411 tok/s, speculative 511 vs 485). Many experts
-        # (Kimi-K2: top-8 of 384) would pay up to 48x: those always gather or loop.
+        # 1550 for a 29-token prompt). Compiled graphs still gather (in place, fused): there dense sped
+        # speculation up and slowed the 1-token decodes of the baseline about as much (both compiled in
+        # one process, 16 prompts: speculative 511 vs 485 tok/s, autoregressive 382 vs 411). Many
+        # experts (Kimi-K2: top-8 of 384) would pay up to 48x: those always gather or loop.
         self.dense_inference = cfg.n_routed_experts <= 4 * cfg.num_experts_per_tok
         self._stacked: dict[bool, tuple] = {}  # inference-time stacked expert weights per layout, see stacked()
 
