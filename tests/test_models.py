@@ -241,7 +241,7 @@ def test_moe_inference_paths_equal_the_per_expert_loop(experts, top_k, dense):
         assert loop.abs().max() > 0.1
         with torch.enable_grad():
             assert torch.equal(moe(x), loop)  # training takes the loop itself
-    moe.dense_inference = not dense  # the other layout is rebuilt, not read from the cache
+    moe.dense_inference = not dense  # the other path, with its own layout of the stacked weights
     x = torch.randn(4, 48)
     assert max_diff(moe(x), moe._loop_experts(x, *moe.gate(x)) + moe.shared_experts(x)) <= ATOL
 

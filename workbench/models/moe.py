@@ -68,12 +68,13 @@ class MoE(nn.Module):
         )
         # Few experts, each token using at least a quarter of them (the embedded pair: top-2 of 8):
         # eager inference runs every expert on every token, unchosen ones weighted by exact zeros. At
-        # most 4x the arithmetic, in two GEMMs instead of gathers or a loop of small ops (eager,
-        # embedded pair, one MoE layer, medians: 190 vs 220 us for 1 token, 198 vs 346 for 4, 338 vs
-        # 1550 for a 29-token prompt). Compiled graphs still gather (in place, fused): there dense sped
-        # speculation up and slowed the 1-token decodes of the baseline about as much (both compiled in
-        # one process, 16 prompts: speculative 511 vs 485 tok/s, autoregressive 382 vs 411). Many
-        # experts (Kimi-K2: top-8 of 384) would pay up to 48x: those always gather or loop.
+        # most 4x the arithmetic, in two GEMMs instead of gathers or a loop of small ops (eager, the
+        # embedded pair's routed experts, medians over its 7 MoE layers: 449 vs 438 us gathered for
+        # 1 token, 478 vs 738 for 4, 819 vs 3314 for a 29-token prompt, where a loop takes 1741).
+        # Compiled graphs still gather (in place, fused): there dense sped speculation up and slowed
+        # the 1-token decodes of the baseline about as much (both compiled in one process, 16
+        # prompts: speculative 511 vs 485 tok/s, autoregressive 382 vs 411). Many experts (Kimi-K2:
+        # top-8 of 384) would pay up to 48x: those always gather or loop.
         self.dense_inference = cfg.n_routed_experts <= 4 * cfg.num_experts_per_tok
         self._stacked: dict[bool, tuple] = {}  # inference-time stacked expert weights per layout, see stacked()
 
