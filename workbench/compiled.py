@@ -9,8 +9,11 @@ into generated C++; inductor's `freezing` makes every weight a constant; `max_au
 the CPP GEMM backend generates each linear as C++ over weights packed once, where oneDNN's
 prepacked linear cost 40-80 us a call at these sizes (profiled on the embedded pair: a 1-token
 verifier step went from 3.2-4.3 ms to 1.8-2.5 ms, medians of 200 calls); and the C++ wrapper
-calls the kernels without Python in between. Prefill and training stay eager: they are not
-per-token costs (and the prefill's expert loop is data-dependent).
+calls the kernels without Python in between. `compile_function` compiles the same way a step
+that spans two models (the fused greedy step's acceptance and drafting, workbench.decoding.fused).
+Prefill and training stay eager: they are not per-token costs (and the prefill's expert loop is
+data-dependent; compiled, a prompt's prefill took 4-7 ms against 13-19 eager, but its graphs
+added 133 s of compiling to every process, so it was not kept).
 
 One graph per model serves every number of new tokens, 1 included: shapes are dynamic and
 size-oblivious (torch would otherwise specialise T = 1 into a graph of its own), and where a
@@ -46,7 +49,7 @@ import torch.fx.experimental._config as fx_config
 
 from workbench.models.mla import ABSORB_MAX_TOKENS
 
-__all__ = ["CompiledForward", "compile_model", "is_compiled"]
+__all__ = ["CompiledForward", "compile_function", "compile_model", "is_compiled"]
 
 
 # What our graphs compile with. `freezing` must be set while inductor compiles (torch.compile's
@@ -132,6 +135,30 @@ class CompiledForward:
         if keep:
             out = dataclasses.replace(out, logits=out.logits[:, -keep:], hidden_states=out.hidden_states[:, -keep:])
         return out
+
+
+def compile_function(fn):
+    """torch.compile a plain function of models and caches, as CompiledForward compiles a forward.
+
+    For a step that spans more than one model call (`workbench.decoding.fused`). Each call of this
+    compiles its own copy of `fn`'s code, so keep one per pair: module guards are skipped as in
+    CompiledForward, so two pairs sharing a copy would run the first pair's frozen weights.
+    """
+    import torch._inductor.config  # noqa: F401  (as in CompiledForward)
+
+    _register_callbacks()
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    compiled = torch.compile(own, dynamic=True, options={
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+    def call(*args, **kwargs):
+        _inside.active = True  # dynamo, if it compiles during this call, applies _SETTINGS
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            _inside.active = False
+
+    return call
 
 
 def _own_code(method):

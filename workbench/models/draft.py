@@ -71,6 +71,16 @@ class MHAttention(nn.Module):
         rows = cache.write(layer, start, new_rows)
         return self.o_proj(self.attend(q, rows, causal_mask(T, start, x.device)))
 
+    def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int, bound: int,
+                   backend: str = "torch") -> torch.Tensor:
+        """As `MLAttention.forward_at`: new tokens from a position held as a 0-d tensor."""
+        T = x.shape[1]
+        positions = position + torch.arange(T, device=x.device)[None]
+        q, new_rows = self.project(x, positions)
+        cache.write_at(layer, position, new_rows)
+        mask = torch.arange(bound, device=x.device)[None, :] <= positions[0, :, None]  # [T, bound]
+        return self.o_proj(self.attend(q, cache.layer(layer)[:, :bound], mask))
+
 
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
@@ -158,6 +168,17 @@ class Eagle3Draft(nn.Module):
         post = self.norm(pre)
         return post, (post if self.norm_output else pre)
 
+    def forward_at(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache, position: torch.Tensor,
+                   bound: int, attention: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` from a position held as a 0-d tensor (the fused step's chain, whose next position
+        depends on how many proposals were just accepted); `bound` as in `MLAttention.forward_at`.
+        The cache's length is the caller's to set."""
+        layer = self.layers[0]
+        embeds = self.part("embed_tokens")(input_ids).to(self.norm.weight.dtype)
+        pre = layer.block(embeds, hidden, lambda x: layer.self_attn.forward_at(x, position, cache, 0, bound, attention))
+        post = self.norm(pre)
+        return post, (post if self.norm_output else pre)
+
     def compute_logits(self, post: torch.Tensor) -> torch.Tensor:
         """Logits over the verifier's vocabulary (draft-vocab logits scattered through d2t)."""
         head = self.part("lm_head")
@@ -170,7 +191,8 @@ class Eagle3Draft(nn.Module):
         return full
 
     def greedy_chain(self, input_ids: torch.Tensor, hidden: torch.Tensor | tuple[torch.Tensor, ...],
-                     cache: KVCache, k: int, attention: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+                     cache: KVCache, k: int, attention: str = "torch",
+                     last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first pass plus k-1 greedy steps with no trip to the host between them.
 
         `hidden` is the fused state [B, T, H], or the verifier's aux states (a tuple), which `fc`
@@ -178,11 +200,18 @@ class Eagle3Draft(nn.Module):
         Returns proposals [B, k] and each one's draft probability [B, k] (softmax of its logits).
         Every step reads the previous argmax as a tensor, so once compiled the whole chain is
         one graph: one call per speculative step instead of k forwards and k eager lm_heads.
+        The chain continues from the first pass's last row, or from row `last` (a 0-d tensor:
+        the fused step passes every verified row and continues after the accepted ones; rows
+        after `last` are left for the next first pass to overwrite).
         """
         if isinstance(hidden, (tuple, list)):
             hidden = self.combine_hidden_states(hidden)
         forward = type(self).forward  # the eager method, also when `forward` is a compiled wrapper
+        start, T = cache.length, input_ids.shape[1]
         post, state = forward(self, input_ids, hidden, cache, attention=attention)
+        if last is not None:
+            row = last.reshape(1)
+            post, state = post.index_select(1, row), state.index_select(1, row)
         head = self.part("lm_head")
         tokens, probs = [], []
         for i in range(k):
@@ -193,6 +222,9 @@ class Eagle3Draft(nn.Module):
             probs.append(logits.softmax(-1).gather(-1, d[..., None])[..., 0])
             t = d + self.d2t[d] if hasattr(self, "d2t") else d
             tokens.append(t)
-            if i + 1 < k:
+            if i + 1 < k and last is None:
                 post, state = forward(self, t, state[:, -1:], cache, attention=attention)
+            elif i + 1 < k:  # at start + last + 1 + i, a position only the device knows
+                post, state = self.forward_at(t, state[:, -1:], cache, start + last + 1 + i, start + T + k - 1,
+                                              attention)
         return torch.cat(tokens, 1), torch.cat(probs, 1)

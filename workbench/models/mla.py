@@ -95,8 +95,12 @@ class MLAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def attend_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
-                        seq_len: int, backend: str) -> torch.Tensor:
-        """MQA over the cache rows [B, S_max, L+R] (first seq_len valid, the T new ones last)."""
+                        seq_len: int | torch.Tensor, backend: str, bound: int | None = None) -> torch.Tensor:
+        """MQA over the cache rows [B, S_max, L+R] (first seq_len valid, the T new ones last).
+
+        `seq_len` may be a 0-d tensor (a length known only on the device); `bound` >= it is then
+        how many rows are read, the rest masked.
+        """
         B, T = q_nope.shape[:2]
         w_uk, w_uv = self.absorbed_weights()
         if torch.compiler.is_compiling():
@@ -107,9 +111,12 @@ class MLAttention(nn.Module):
             q_lat = (q_nope.float()[..., None] * w_uk.float()).sum(-2).to(q_nope.dtype)
         else:
             q_lat = torch.einsum("btnp,npl->btnl", q_nope, w_uk)
-        seq_lens = torch.full((B,), seq_len, dtype=torch.int32, device=q_nope.device)
+        if isinstance(seq_len, torch.Tensor):
+            seq_lens = seq_len.to(torch.int32).reshape(1).expand(B)
+        else:
+            seq_lens, bound = torch.full((B,), seq_len, dtype=torch.int32, device=q_nope.device), seq_len
         o_lat, _ = mla_attention(q_lat, q_pe.contiguous(), cache_rows, seq_lens, self.scale,
-                                 max_seq_len=seq_len, backend=backend)
+                                 max_seq_len=bound, backend=backend)
         if torch.compiler.is_compiling():  # as for q_lat above
             o = (o_lat.float()[:, :, :, None, :] * w_uv.float()).sum(-1).to(o_lat.dtype)
         else:
@@ -135,3 +142,16 @@ class MLAttention(nn.Module):
         else:
             o = self.attend_naive(q_nope, q_pe, rows, causal_mask(T, start, x.device))
         return self.o_proj(o)
+
+    def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int, bound: int,
+                   backend: str = "torch") -> torch.Tensor:
+        """`forward` for new tokens x [B,T,in] from a position held as a 0-d tensor (absorbed path).
+
+        The rows go to position.. (`KVCache.write_at`) and each token attends the rows up to its
+        own; `bound`, a Python int past the last position, is how many rows are read. The
+        caller sets the cache's length.
+        """
+        T = x.shape[1]
+        q_nope, q_pe, new_rows = self.project(x, position + torch.arange(T, device=x.device)[None])
+        cache.write_at(layer, position, new_rows)
+        return self.o_proj(self.attend_absorbed(q_nope, q_pe, cache.layer(layer), position + T, backend, bound))
