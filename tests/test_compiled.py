@@ -36,9 +36,11 @@ def test_compiled_tokens_equal_eager_and_lossless(pairs):
     for prompt in PROMPTS:
         ref = wb.generate_autoregressive(eager, prompt, 24).tokens
         assert wb.generate_autoregressive(compiled, prompt, 24).tokens == ref
-        for k in (1, 3):
+        for k in (1, 3):  # fused steps (the default on a compiled pair) and unfused ones
             assert wb.SpecDecoder(compiled, k).generate(prompt, 24).tokens == ref, (prompt, k)
+            assert wb.SpecDecoder(compiled, k, fused=False).generate(prompt, 24).tokens == ref, (prompt, k)
     assert compiled.verifier.forward.calls["compiled"] > 0 and compiled.draft.greedy_chain.calls["compiled"] > 0
+    assert wb.SpecDecoder(compiled, 3).fused.calls > 0
 
 
 def test_compiled_graphs_do_not_grow_with_length(pairs):
@@ -62,14 +64,20 @@ def test_a_long_prompt_keeps_the_draft_chain_compiled(pairs):
     eager, compiled = pairs
     prompt = PROMPTS[1] + "x = 1\n" * 6
     assert len(compiled.encode(prompt)) > ABSORB_MAX_TOKENS + 1
-    dec = wb.SpecDecoder(compiled, 3)
+    want = wb.generate_autoregressive(eager, prompt, 24).tokens
+    dec = wb.SpecDecoder(compiled, 3, fused=False)
     dec.generate(PROMPTS[0], 8)
     before = dict(compiled.draft.greedy_chain.calls)
     out = dec.generate(prompt, 24)
     steps = sum(e.kind == "spec" for e in out.events)
     calls = compiled.draft.greedy_chain.calls
     assert calls["eager"] == before["eager"] and calls["compiled"] == before["compiled"] + steps
-    assert out.tokens == wb.generate_autoregressive(eager, prompt, 24).tokens
+    assert out.tokens == want
+    fused = wb.SpecDecoder(compiled, 3)  # fused: one call of its graph per step, and one for the prompt's last position
+    before, fused_before = dict(compiled.draft.greedy_chain.calls), fused.fused.calls
+    out = fused.generate(prompt, 24)
+    assert fused.fused.calls == fused_before + 1 + sum(e.kind == "spec" for e in out.events)
+    assert compiled.draft.greedy_chain.calls == before and out.tokens == want
 
 
 def test_compiled_pair_keeps_eager_for_training_and_prefill(pairs):
@@ -110,8 +118,9 @@ def test_compiled_bf16_rounds_decode_and_verify_alike(bf16_pair):
         four = [pair.verifier(torch.tensor([ar.tokens[i:i + 4]]), c4).logits[0] for i in range(0, 12, 4)]
     assert _graphs() == graphs  # T = 4 ran the T = 1 graph: no specialisation on one token
     torch.testing.assert_close(torch.stack(one), torch.cat(four), rtol=0, atol=0)
-    for k in (1, 3):
+    for k in (1, 3):  # fused steps verify with this same graph; unfused ones too
         assert wb.SpecDecoder(pair, k).generate(prompt, 16).tokens == ar.tokens, k
+        assert wb.SpecDecoder(pair, k, fused=False).generate(prompt, 16).tokens == ar.tokens, k
 
 
 def test_with_draft_keeps_a_compiled_pair_compiled(pairs):
@@ -137,7 +146,7 @@ def test_two_compiled_pairs_of_one_shape_keep_their_own_weights(pairs, tmp_path)
         (inductor_config.freezing, inductor_config.cpp_wrapper, inductor_config.max_autotune,
          fx_config.backed_size_oblivious, fx_config.use_duck_shape, torch._dynamo.config.specialize_float)))
     try:
-        wb.SpecDecoder(other, 3).generate(PROMPTS[0], 4)  # compiles the new pair's verifier and chain
+        wb.SpecDecoder(other, 3).generate(PROMPTS[0], 4)  # compiles the new pair's verifier and fused step
     finally:
         callback_handler.remove_start_callback(record)
     assert len(seen) >= 2 and set(seen) == {(True, True, True, True, False, True)}, seen
@@ -150,4 +159,4 @@ def test_two_compiled_pairs_of_one_shape_keep_their_own_weights(pairs, tmp_path)
         assert second == wb.generate_autoregressive(other_eager, prompt, 12).tokens
         assert first[1:] != second[1:]  # two different models (the first token comes from an eager prefill)
         assert wb.SpecDecoder(other, 3).generate(prompt, 12).tokens == second
-    assert other.verifier.forward.calls["compiled"] > 0 and other.draft.greedy_chain.calls["compiled"] > 0
+    assert other.verifier.forward.calls["compiled"] > 0 and wb.SpecDecoder(other, 3).fused.calls > 0

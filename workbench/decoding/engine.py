@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from workbench.decoding.events import GenerationResult, StepEvent
+from workbench.decoding.fused import FusedGreedyStep, fused_step_for
 from workbench.decoding.proposers import EagleProposer, NgramProposer, Proposer
-from workbench.decoding.sampling import (Acceptor, SamplingError, SamplingParams, acceptor_for, check_finite,
-                                         next_token, probs_from_logits)
+from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingError, SamplingParams, acceptor_for,
+                                         check_finite, next_token, nonfinite_error, probs_from_logits)
 
 MAX_K = 16
 
@@ -100,11 +101,17 @@ class SpecDecoder:
 
     `proposer` is "eagle" (the pair's draft), "ngram" (prompt lookup), or any `Proposer`;
     `acceptor` defaults to greedy at temperature 0, rejection sampling otherwise.
+    `fused` runs each step's verify, greedy acceptance and next drafting as one call
+    (`workbench.decoding.fused`): None (default) does so where it applies, a compiled pair with a
+    greedy EAGLE draft, greedy acceptance and torch attention; True requires it; False never.
+    A fused step's drafting is inside its `verify_time` (its `draft_time` is the proposal's
+    wait, ~0), so measure the draft's own cost unfused (`workbench sweep` does).
     """
 
     def __init__(self, pair, num_speculative_tokens: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, proposer: str | Proposer = "eagle",
-                 acceptor: Acceptor | None = None, attention: str = "auto", draft_sampling: str = "greedy") -> None:
+                 acceptor: Acceptor | None = None, attention: str = "auto", draft_sampling: str = "greedy",
+                 fused: bool | None = None) -> None:
         k = num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
             raise RequestError(f"num_speculative_tokens = {k!r}; expected an integer in [1, {MAX_K}]")
@@ -123,6 +130,19 @@ class SpecDecoder:
         elif isinstance(proposer, str):
             raise RequestError(f"proposer = {proposer!r}; expected 'eagle', 'ngram' or a Proposer object")
         self.proposer = proposer
+        self.fused = self._fused_step(fused)
+
+    def _fused_step(self, fused: bool | None) -> FusedGreedyStep | None:
+        if fused not in (None, True, False):
+            raise RequestError(f"fused = {fused!r}; expected None (where it applies), True or False")
+        fits = (isinstance(self.proposer, EagleProposer) and self.proposer.greedy and self.params.greedy
+                and isinstance(self.acceptor, GreedyAcceptor) and self.attention == "torch")
+        if fused and not fits:
+            raise RequestError("fused = True needs greedy decoding with the pair's EAGLE draft, the greedy "
+                               "acceptor and attention 'torch'")
+        if fused is False or not fits or (fused is None and not self.pair.compiled):
+            return None
+        return fused_step_for(self.pair.verifier, self.pair.draft, self.k, self.pair.compiled)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
                  max_len: int | None = None) -> GenerationResult:
@@ -139,7 +159,7 @@ class SpecDecoder:
         pair, k = self.pair, self.k
         cache_len = min(req.max_len, len(req.prompt_ids) + max_new_tokens + k + 1)
         cache = pair.verifier_cache(cache_len)
-        self.proposer.reset(cache_len)
+        self.proposer.reset(cache_len + k)  # room for a fused step's provisional draft rows past the context
         em = self._emitter = _Emitter(pair, req)
 
         t = time.perf_counter()
@@ -152,6 +172,7 @@ class SpecDecoder:
         piece = em.add(first)
         verified = req.prompt_ids + [first]
         aux = out.aux_hidden_states
+        upcoming = None  # the next step's proposal, when drafted already (fused steps draft as they verify)
         yield StepEvent(step=0, kind="prefill", emitted=[first], emitted_text=[piece], emitted_status=["bonus"],
                         emitted_verifier_probs=[shown], position=len(req.prompt_ids),
                         verify_time=time.perf_counter() - t, finish_reason=em.finish)
@@ -162,19 +183,30 @@ class SpecDecoder:
             if k_now < 1:  # no room to verify even one proposal: finish by plain decoding
                 k_now = 0
             t = time.perf_counter()
-            prop = self.proposer.propose(verified, aux if self.proposer.needs_aux else None, max(k_now, 1))
+            fused = self.fused is not None and self.fused.room(cache, self.proposer.cache, k_now)
+            if upcoming is not None:
+                prop = upcoming
+            elif fused and step == 1:  # the prompt's last position and the chain through the fused step's graph
+                prop = self.proposer.fused_first(self.fused, verified, aux, logits[-1:])
+            else:
+                prop = self.proposer.propose(verified, aux if self.proposer.needs_aux else None, max(k_now, 1))
             proposals = prop.tokens[:k_now]
             t_draft = time.perf_counter() - t
             t = time.perf_counter()
             start = cache.length
-            x = torch.tensor([[verified[-1]] + proposals], device=pair.device)
-            out = pair.verifier(x, cache, attention=self.attention)
-            check_finite(out.logits, f"verifier logits at step {step}")
-            dq = prop.draft_probs[:k_now] if prop.draft_probs is not None else None
-            verdict = self.acceptor.verify(proposals, dq, out.logits[0], self.params, self.generator)
+            if fused:
+                verdict, upcoming, finite = self.proposer.fused_step(self.fused, verified[-1], proposals, cache)
+                if not finite:
+                    raise nonfinite_error(f"verifier logits at step {step}")
+            else:
+                x = torch.tensor([[verified[-1]] + proposals], device=pair.device)
+                out = pair.verifier(x, cache, attention=self.attention)
+                check_finite(out.logits, f"verifier logits at step {step}")
+                dq = prop.draft_probs[:k_now] if prop.draft_probs is not None else None
+                verdict = self.acceptor.verify(proposals, dq, out.logits[0], self.params, self.generator)
+                cache.truncate(start + 1 + verdict.num_accepted)
+                aux, upcoming = tuple(h[:, : verdict.num_accepted + 1] for h in out.aux_hidden_states), None
             a = verdict.num_accepted
-            cache.truncate(start + 1 + a)
-            aux = tuple(h[:, : a + 1] for h in out.aux_hidden_states)
             t_verify = time.perf_counter() - t
 
             emitted = proposals[:a] + [verdict.next_token]

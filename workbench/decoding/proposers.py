@@ -17,8 +17,10 @@ from typing import Protocol
 
 import torch
 
+from workbench.cache import KVCache
 from workbench.compiled import is_compiled
-from workbench.decoding.sampling import SamplingParams, probs_from_logits, sample
+from workbench.decoding.fused import FusedGreedyStep
+from workbench.decoding.sampling import SamplingParams, Verdict, probs_from_logits, sample
 from workbench.models.draft import Eagle3Draft
 from workbench.models.mla import ABSORB_MAX_TOKENS
 
@@ -56,11 +58,43 @@ class EagleProposer:
         self.seen = 0  # positions whose draft rows were computed from verifier states
         self.chain_k = 0  # the longest greedy chain run so far (see propose)
 
+    @property
+    def greedy(self) -> bool:
+        """Whether proposals are argmaxes (vLLM's EAGLE; q = 1), as they are at temperature 0."""
+        return self.sampling == "greedy" or self.params.greedy
+
     def reset(self, max_len: int) -> None:
         if self.cache is None or self.cache.max_len < max_len:
             self.cache = self.draft.new_cache(max_len)
         self.cache.reset()
         self.seen = 0
+
+    def fused_step(self, step: FusedGreedyStep, last: int, proposals: list[int], vcache: KVCache) -> tuple[Verdict, Proposal, bool]:
+        """Verify `proposals` after `last`, accept greedily and draft the next k with no trip to the
+        host in between (`workbench.decoding.fused`). Returns the verdict, the next proposal and
+        whether every logit row was finite (the caller raises, as check_finite would)."""
+        out = step(last, proposals, vcache, self.cache)
+        self.seen = vcache.length  # every verified position's draft row is final
+        verdict = Verdict(out.num_accepted, out.next_token, out.verifier_probs, out.next_token_prob)
+        return verdict, Proposal(out.proposals, None, out.draft_probs), out.finite
+
+    @torch.inference_mode()
+    def fused_first(self, step: FusedGreedyStep, tokens: list[int], new_aux: tuple[torch.Tensor, ...],
+                    logits: torch.Tensor) -> Proposal:
+        """`propose` after a prefill through the fused step's graph (so a fused decoder needs no chain
+        graph of its own): the prompt's first pass but its last position as usual, then that position
+        and the chain in one call. `logits` [1, V]: the prompt's last row, whose argmax is tokens[-1]."""
+        if self.seen != 0 or new_aux[0].shape[1] != len(tokens) - 1:
+            raise ValueError(f"EAGLE proposer: fused_first follows a prefill; expected aux states for "
+                             f"{len(tokens) - 1} prompt positions and nothing proposed yet")
+        ids = torch.tensor([tokens[1:]], device=self.draft.norm.weight.device)
+        self.cache.truncate(0)
+        if ids.shape[1] > 1:
+            self.draft(ids[:, :-1], self.draft.combine_hidden_states(tuple(h[:, :-1] for h in new_aux)), self.cache,
+                       attention=self.attention)
+        out = step.first(logits, tuple(h[:, -1:] for h in new_aux), tokens[-1], self.cache)
+        self.seen = len(tokens) - 1
+        return Proposal(out.proposals, None, out.draft_probs)
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], new_aux: tuple[torch.Tensor, ...] | None, k: int) -> Proposal:
@@ -71,21 +105,23 @@ class EagleProposer:
         self.cache.truncate(self.seen)
         ids = torch.tensor([tokens[self.seen + 1:]], device=device)
         self.seen = len(tokens) - 1
-        if self.sampling == "greedy" or self.params.greedy:  # vLLM's EAGLE: argmax proposals, q = 1
+        if self.greedy:  # vLLM's EAGLE: argmax proposals, q = 1
             # The chain runs the longest k asked so far, cut to k: a compiled chain is one graph
             # per length, and the engine asks for fewer only in a request's last steps.
             self.chain_k = max(k, self.chain_k)
             room = self.cache.length + ids.shape[1] + self.chain_k - 1 <= self.cache.max_len
             run = self.chain_k if room else k  # near the context's end: only the k asked for
-            if ids.shape[1] > ABSORB_MAX_TOKENS and is_compiled(self.draft):
-                # After a prefill the first pass covers the whole prompt, more tokens than the compiled
-                # chain takes: run all but its last position eagerly, as the prefill is, so the chain
-                # itself (the last position's pass and k-1 steps) stays one compiled call.
+            compiled = is_compiled(self.draft)
+            if compiled and ids.shape[1] > 1 and (self.cache.length < 2 or ids.shape[1] > ABSORB_MAX_TOKENS):
+                # After a prefill the first pass covers the whole prompt, over an empty cache: run all
+                # but its last position as the prefill is (the draft's prompt graph, workbench.compiled),
+                # so the chain itself (the last position's pass and k-1 steps) is one per-token graph call.
                 prefix = self.draft.combine_hidden_states(tuple(h[:, :-1] for h in new_aux))
                 self.draft(ids[:, :-1], prefix, self.cache, attention=self.attention)
-                fresh = torch.contiguous_format  # a slice's strides would fail the compiled chain's stride guards
-                ids = ids[:, -1:].clone(memory_format=fresh)
-                new_aux = tuple(h[:, -1:].clone(memory_format=fresh) for h in new_aux)
+                ids, new_aux = ids[:, -1:], tuple(h[:, -1:] for h in new_aux)
+            if compiled:  # a slice's strides (the accepted rows of a verify) would fail the chain's stride guards
+                ids, new_aux = ids.clone(memory_format=torch.contiguous_format), tuple(
+                    h.clone(memory_format=torch.contiguous_format) for h in new_aux)
             # The aux states go in unfused: the chain runs fc itself, inside its compiled graph.
             chain, probs = self.draft.greedy_chain(ids, new_aux, self.cache, run, attention=self.attention)
             return Proposal(chain[0, :k].tolist(), None, probs[0, :k].tolist())

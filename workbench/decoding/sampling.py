@@ -45,8 +45,13 @@ def check_finite(logits: torch.Tensor, where: str) -> None:
     """-inf is a masked token; NaN, +inf (softmax turns it into NaN) or a row with no finite value is an error."""
     # One pass: a row's max is NaN if any entry is, +inf if one is, -inf if none is finite.
     if not bool(torch.isfinite(logits.amax(-1)).all()):
-        raise SamplingError(f"{where}: the logits contain NaN or +inf (or no finite value); the model's weights or "
-                            "inputs are broken (a corrupt checkpoint, or an overflow in this dtype)")
+        raise nonfinite_error(where)
+
+
+def nonfinite_error(where: str) -> SamplingError:
+    """What check_finite raises (also for a check made on the device, as a fused step does)."""
+    return SamplingError(f"{where}: the logits contain NaN or +inf (or no finite value); the model's weights or "
+                         "inputs are broken (a corrupt checkpoint, or an overflow in this dtype)")
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
