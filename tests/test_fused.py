@@ -112,3 +112,20 @@ def test_nan_logits_in_a_fused_step_raise_and_the_decoder_recovers():
         weight[bad] = saved
     assert dec.generate(prompt, 24).tokens == truth
 
+
+def test_cli_fused_flag(capsys):
+    """`workbench generate --fused on|off` (fp32, eager): the same tokens and steps; a fused
+    request that cannot be fused is an error naming the flag's value, exit status 2."""
+    from workbench.cli import main
+
+    common = ["generate", "--prompt", PROMPTS[1], "--k", "3", "--max-new-tokens", "12", "--json"]
+    outs = []
+    for flag in ("on", "off"):
+        assert main(common + ["--fused", flag]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    shape = lambda out: [(e["kind"], e["proposed"], e["num_accepted"], e["emitted"], e["emitted_status"])  # noqa: E731
+                         for e in out["steps"]]
+    assert outs[0]["tokens"] == outs[1]["tokens"] and shape(outs[0]) == shape(outs[1])
+    assert any(e["num_accepted"] > 0 for e in outs[0]["steps"])
+    assert main(common + ["--fused", "on", "--temperature", "0.5"]) == 2
+    assert "fused = True needs greedy decoding" in capsys.readouterr().err

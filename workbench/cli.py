@@ -41,6 +41,15 @@ def _pair_args(p: argparse.ArgumentParser, dtype_default: str | None = "float32"
                         "(minutes on a small CPU, while the graphs compile)")
 
 
+def _fused_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fused", default="auto", choices=["auto", "on", "off"],
+                   help="verify, accept and draft the next proposals in one call per step (greedy EAGLE "
+                        "on a compiled pair; auto: wherever that applies)")
+
+
+_FUSED = {"auto": None, "on": True, "off": False}
+
+
 def _load(args):
     import workbench as wb
 
@@ -67,7 +76,7 @@ def cmd_generate(args) -> int:
                                          args.top_k, args.seed, stop=args.stop, attention=args.attention)
     else:
         dec = wb.SpecDecoder(pair, args.k, args.temperature, args.top_p, args.top_k, args.seed,
-                             proposer=args.proposer, attention=args.attention)
+                             proposer=args.proposer, attention=args.attention, fused=_FUSED[args.fused])
         res = dec.generate(args.prompt, args.max_new_tokens, stop=args.stop)
     if args.json:
         print(json.dumps(res.to_dict()))
@@ -108,7 +117,8 @@ def cmd_bench(args) -> int:
     pair = _load(args)
     prompts = read_prompts(args.prompts, args.limit)
     report = run_bench(pair, prompts, k=args.k, max_new_tokens=args.max_new_tokens, attention=args.attention,
-                       peers=not args.no_peers, peer_prompts=args.peer_prompts, repeats=args.repeats)
+                       peers=not args.no_peers, peer_prompts=args.peer_prompts, repeats=args.repeats,
+                       fused=_FUSED[args.fused])
     report["prompts_file"] = str(args.prompts)
     print(json.dumps(report) if args.json else _bench_text(report))
     return 0
@@ -116,7 +126,7 @@ def cmd_bench(args) -> int:
 
 def _bench_text(r: dict) -> str:
     lines = [f"k={r['k']} dtype={r['dtype']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']} "
-             f"threads={r['threads']} compiled={r['compiled']} (warm-up {r['warmup_s']:.1f} s, untimed)",
+             f"threads={r['threads']} compiled={r['compiled']} fused={r['fused']} (warm-up {r['warmup_s']:.1f} s, untimed)",
              f"accept length {r['accept_length']:.3f}  per-position {[round(x, 3) for x in r['per_position_acceptance']]}",
              f"speculative {r['spec_tokens_per_s']:.1f} tok/s  autoregressive {r['ar_tokens_per_s']:.1f} tok/s  "
              f"speedup {r['speedup']:.2f}x (median per prompt {r['speedup_median']:.2f}x)",
@@ -218,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--proposer", default="eagle", choices=["eagle", "ngram"])
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    _fused_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_generate)
 
@@ -230,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (median kept)")
     p.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
     p.add_argument("--peer-prompts", type=int, default=8, help="prompts timed with transformers (slow)")
+    _fused_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_bench)
 

@@ -58,10 +58,11 @@ def _timed(fn):
 
 
 def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, attention: str = "auto",
-              peers: bool = True, peer_prompts: int = 8, repeats: int = 1, progress: bool = True) -> dict:
+              peers: bool = True, peer_prompts: int = 8, repeats: int = 1, progress: bool = True,
+              fused: bool | None = None) -> dict:
     import workbench as wb
 
-    dec = wb.SpecDecoder(pair, num_speculative_tokens=k, attention=attention)
+    dec = wb.SpecDecoder(pair, num_speculative_tokens=k, attention=attention, fused=fused)
     ar_fn = lambda p: wb.generate_autoregressive(pair, p, max_new_tokens, attention=attention)  # noqa: E731
     # Warm-up, outside the timing: with a compiled pair this is where every graph compiles
     # (verify and draft steps of 1 and of several tokens both occur within 32 tokens).
@@ -93,7 +94,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     report = {
         "k": k, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(pair.dtype).replace("torch.", ""),
         "device": str(pair.device), "attention": dec.attention, "threads": torch.get_num_threads(), "repeats": repeats,
-        "compiled": pair.compiled, "warmup_s": warmup_s,
+        "compiled": pair.compiled, "fused": dec.fused is not None, "warmup_s": warmup_s,
         "verifier": pair.verifier_dir, "draft": pair.draft_dir,
         "accept_length": stats.accept_length, "per_position_acceptance": stats.per_position_acceptance,
         "conditional_acceptance": stats.conditional_acceptance,

@@ -220,7 +220,8 @@ def run_sweep(pair, prompts: Sequence[str], ks: Sequence[int], temperatures: Seq
         points.append(base)
         spec_events: list[StepEvent] = []
         for k in ks:
-            dec = SpecDecoder(pair, num_speculative_tokens=k, temperature=t, seed=seed, attention=attention)
+            # Unfused: the goodput model needs the draft's cost apart from the verify's (a fused step times both as one).
+            dec = SpecDecoder(pair, num_speculative_tokens=k, temperature=t, seed=seed, attention=attention, fused=False)
             results = []
             for i, prompt in enumerate(prompts):
                 tick(f"T={t} k={k}, prompt {i + 1}/{len(prompts)}")
