@@ -76,13 +76,13 @@ def test_near_the_context_end_steps_stay_fused(fp32_pair):
         got = dec.generate(prompt, 64, max_len=max_len)
         want = wb.SpecDecoder(pair, 4, fused=False).generate(prompt, 64, max_len=max_len)
         assert got.finish_reason == want.finish_reason == "context" and got.tokens == want.tokens
-        _same_events(got, want)
+        assert _same_events(got, want) < 1e-5
         spec = [e for e in got.events if e.kind == "spec"]
         assert dec.fused.calls - before == 1 + len(spec)  # the first proposal, then one call per step
         assert len(spec[-1].proposed) < 4
 
 
-def test_when_a_step_is_fused(fp32_pair, tmp_path):
+def test_when_a_step_is_fused(fp32_pair):
     pair = fp32_pair
     assert wb.SpecDecoder(pair, 3).fused is None  # an eager pair: unfused unless asked
     for kw in (dict(temperature=0.7), dict(proposer="ngram"), dict(draft_sampling="sample", temperature=0.5)):

@@ -104,8 +104,7 @@ class CompiledForward:
         # Skipped, nothing tells two modules of one class apart (`self` keeps a type guard only),
         # and dynamo keeps its graphs per code object: a second pair of the same shapes would run
         # the first one's frozen weights. So each wrapper compiles its own copy of the code.
-        self.compiled = torch.compile(_own_code(fn), dynamic=True, options={
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        self.compiled = _compile(types.MethodType(_own_function(fn.__func__), fn.__self__))
         self.calls = {"compiled": 0, "eager": 0}
 
     def usable(self, args: dict) -> bool:
@@ -147,9 +146,7 @@ def compile_function(fn):
     import torch._inductor.config  # noqa: F401  (as in CompiledForward)
 
     _register_callbacks()
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    compiled = torch.compile(own, dynamic=True, options={
-        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    compiled = _compile(_own_function(fn))
 
     def call(*args, **kwargs):
         _inside.active = True  # dynamo, if it compiles during this call, applies _SETTINGS
@@ -161,13 +158,17 @@ def compile_function(fn):
     return call
 
 
-def _own_code(method):
-    """`method` (bound) over a distinct copy of its code object, so dynamo's cache for it is its own."""
-    func = method.__func__
+def _compile(fn):
+    # Module guards skipped: see CompiledForward.__init__.
+    return torch.compile(fn, dynamic=True, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+
+def _own_function(func):
+    """`func` over a distinct copy of its code object, so dynamo's cache for it is its own."""
     own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
                              func.__closure__)
     own.__kwdefaults__, own.__qualname__, own.__doc__ = func.__kwdefaults__, func.__qualname__, func.__doc__
-    return types.MethodType(own, method.__self__)
+    return own
 
 
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:

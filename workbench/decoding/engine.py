@@ -172,7 +172,7 @@ class SpecDecoder:
         piece = em.add(first)
         verified = req.prompt_ids + [first]
         aux = out.aux_hidden_states
-        upcoming = None  # the next step's proposal, when drafted already (fused steps draft as they verify)
+        fused, upcoming = self.fused is not None, None  # a fused step drafts the next step's proposal as it verifies
         yield StepEvent(step=0, kind="prefill", emitted=[first], emitted_text=[piece], emitted_status=["bonus"],
                         emitted_verifier_probs=[shown], position=len(req.prompt_ids),
                         verify_time=time.perf_counter() - t, finish_reason=em.finish)
@@ -183,11 +183,10 @@ class SpecDecoder:
             if k_now < 1:  # no room to verify even one proposal: finish by plain decoding
                 k_now = 0
             t = time.perf_counter()
-            fused = self.fused is not None and self.fused.room(cache, self.proposer.cache, k_now)
-            if upcoming is not None:
-                prop = upcoming
-            elif fused and step == 1:  # the prompt's last position and the chain through the fused step's graph
+            if fused and step == 1:  # the prompt's last position and the chain through the fused step's graph
                 prop = self.proposer.fused_first(self.fused, verified, aux, logits[-1:])
+            elif fused:
+                prop = upcoming
             else:
                 prop = self.proposer.propose(verified, aux if self.proposer.needs_aux else None, max(k_now, 1))
             proposals = prop.tokens[:k_now]
@@ -205,7 +204,7 @@ class SpecDecoder:
                 dq = prop.draft_probs[:k_now] if prop.draft_probs is not None else None
                 verdict = self.acceptor.verify(proposals, dq, out.logits[0], self.params, self.generator)
                 cache.truncate(start + 1 + verdict.num_accepted)
-                aux, upcoming = tuple(h[:, : verdict.num_accepted + 1] for h in out.aux_hidden_states), None
+                aux = tuple(h[:, : verdict.num_accepted + 1] for h in out.aux_hidden_states)
             a = verdict.num_accepted
             t_verify = time.perf_counter() - t
 

@@ -82,18 +82,12 @@ class FusedGreedyStep:
 
             self.fn = compile_function(accept_and_draft)
 
-    def room(self, vcache: KVCache, dcache: KVCache, n: int) -> bool:
-        """Whether both caches hold a step of n proposals (n+1 verified rows; k-1 provisional draft rows after them)."""
-        return vcache.length + n + 1 <= vcache.max_len and vcache.length + n + self.k <= dcache.max_len
-
     def _draft(self, logits, aux, x: torch.Tensor, dcache: KVCache) -> FusedOutcome:
         self.calls += 1
-        fresh = torch.contiguous_format  # slices' strides would fail the compiled graph's stride guards
-        aux = tuple(h.clone(memory_format=fresh) for h in aux)
         # As in CompiledForward, a cache of 0 or 1 rows (after a 1- or 2-token prompt) runs eagerly
         # rather than specialising a graph on those lengths.
         fn = self.fn if dcache.length >= 2 else accept_and_draft
-        ints, floats, finite = fn(self.draft, logits.clone(memory_format=fresh), aux, x, dcache, self.k)
+        ints, floats, finite = fn(self.draft, logits, aux, x, dcache, self.k)
         ints, floats, T = ints.tolist(), floats.tolist(), x.shape[1]
         a = ints[0]
         return FusedOutcome(a, ints[1 + a], floats[:T - 1], floats[T - 1 + a], ints[1 + T:], floats[2 * T - 1:],
@@ -117,6 +111,8 @@ class FusedGreedyStep:
         """The first proposal after a prefill: `token` (the prompt's last argmax, `logits` [1, V] its row)
         at dcache.length, with the prompt's last aux states [1, 1, H]."""
         start = dcache.length
+        fresh = torch.contiguous_format  # the prefill's slices: their strides would fail the graph's stride guards
+        logits, aux = logits.clone(memory_format=fresh), tuple(h.clone(memory_format=fresh) for h in aux)
         outcome = self._draft(logits, aux, torch.tensor([[token]], device=dcache.rows.device), dcache)
         dcache.truncate(start + 1)
         return outcome

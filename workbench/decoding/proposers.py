@@ -90,11 +90,16 @@ class EagleProposer:
         ids = torch.tensor([tokens[1:]], device=self.draft.norm.weight.device)
         self.cache.truncate(0)
         if ids.shape[1] > 1:
-            self.draft(ids[:, :-1], self.draft.combine_hidden_states(tuple(h[:, :-1] for h in new_aux)), self.cache,
-                       attention=self.attention)
-        out = step.first(logits, tuple(h[:, -1:] for h in new_aux), tokens[-1], self.cache)
+            ids, new_aux = self._prefix_pass(ids, new_aux)
+        out = step.first(logits, new_aux, tokens[-1], self.cache)
         self.seen = len(tokens) - 1
         return Proposal(out.proposals, None, out.draft_probs)
+
+    def _prefix_pass(self, ids: torch.Tensor, new_aux: tuple[torch.Tensor, ...]):
+        """The first pass over all but the last new position; returns that position's ids and aux states."""
+        prefix = self.draft.combine_hidden_states(tuple(h[:, :-1] for h in new_aux))
+        self.draft(ids[:, :-1], prefix, self.cache, attention=self.attention)
+        return ids[:, -1:], tuple(h[:, -1:] for h in new_aux)
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], new_aux: tuple[torch.Tensor, ...] | None, k: int) -> Proposal:
@@ -116,9 +121,7 @@ class EagleProposer:
                 # After a prefill the first pass covers the whole prompt, over an empty cache: run all
                 # but its last position as the prefill is (the draft's prompt graph, workbench.compiled),
                 # so the chain itself (the last position's pass and k-1 steps) is one per-token graph call.
-                prefix = self.draft.combine_hidden_states(tuple(h[:, :-1] for h in new_aux))
-                self.draft(ids[:, :-1], prefix, self.cache, attention=self.attention)
-                ids, new_aux = ids[:, -1:], tuple(h[:, -1:] for h in new_aux)
+                ids, new_aux = self._prefix_pass(ids, new_aux)
             if compiled:  # a slice's strides (the accepted rows of a verify) would fail the chain's stride guards
                 ids, new_aux = ids.clone(memory_format=torch.contiguous_format), tuple(
                     h.clone(memory_format=torch.contiguous_format) for h in new_aux)

@@ -161,21 +161,24 @@ class Eagle3Draft(nn.Module):
             cache.check_room(T)
         if positions is None:
             positions = torch.arange(start, start + T, device=input_ids.device)[None]
-        embeds = self.part("embed_tokens")(input_ids).to(self.norm.weight.dtype)
-        pre = self.layers[0](embeds, hidden, positions, cache, path=path, backend=attention)
+        attn = self.layers[0].self_attn
+        out = self._pass(input_ids, hidden, lambda x: attn(x, positions, cache, 0, path=path, backend=attention))
         if cache is not None:
             cache.advance(T)
-        post = self.norm(pre)
-        return post, (post if self.norm_output else pre)
+        return out
 
     def forward_at(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache, position: torch.Tensor,
                    bound: int, attention: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` from a position held as a 0-d tensor (the fused step's chain, whose next position
         depends on how many proposals were just accepted); `bound` as in `MLAttention.forward_at`.
         The cache's length is the caller's to set."""
-        layer = self.layers[0]
+        attn = self.layers[0].self_attn
+        return self._pass(input_ids, hidden, lambda x: attn.forward_at(x, position, cache, 0, bound, attention))
+
+    def _pass(self, input_ids: torch.Tensor, hidden: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding, the layer around `attend`, the final norm: (post-norm, state to feed back)."""
         embeds = self.part("embed_tokens")(input_ids).to(self.norm.weight.dtype)
-        pre = layer.block(embeds, hidden, lambda x: layer.self_attn.forward_at(x, position, cache, 0, bound, attention))
+        pre = self.layers[0].block(embeds, hidden, attend)
         post = self.norm(pre)
         return post, (post if self.norm_output else pre)
 
