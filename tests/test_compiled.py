@@ -160,3 +160,17 @@ def test_two_compiled_pairs_of_one_shape_keep_their_own_weights(pairs, tmp_path)
         assert first[1:] != second[1:]  # two different models (the first token comes from an eager prefill)
         assert wb.SpecDecoder(other, 3).generate(prompt, 12).tokens == second
     assert other.verifier.forward.calls["compiled"] > 0 and wb.SpecDecoder(other, 3).fused.calls > 0
+
+
+def test_a_compile_leaves_the_heap_frozen():
+    """After one of our compiles the collector leaves the compiler's objects alone (`_freeze_heap`):
+    otherwise its full collections walk them while decoding."""
+    import gc
+
+    from workbench.compiled import compile_function
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    x = torch.arange(6.0)
+    assert torch.equal(compile_function(lambda t: t * 2 + 1)(x), x * 2 + 1)
+    assert gc.get_freeze_count() > 10_000

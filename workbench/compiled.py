@@ -33,13 +33,18 @@ of the embedded pair (dynamo's compile times, before floats were specialised, se
 trace that dynamo threw away and restarted took 103 s, code generation 81 s and C++ compilation
 89 s.
 
+After each of our compiles the garbage collector is told to leave the objects alive then alone
+(`_freeze_heap`): otherwise its full collections walk the compiler's heap during decoding.
+
 Weights become constants of the compiled graphs: a model whose weights change after
 `compile_model` must be compiled again (training never uses this path).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import gc
 import inspect
 import threading
 import types
@@ -80,6 +85,27 @@ def _on_compile_end(_args=None) -> None:
     # every thread), so the end may come on another thread than the start: close what was opened.
     if _patches:
         _patches.pop().close()
+        _freeze_heap()
+
+
+def _freeze_heap() -> None:
+    """Move every object alive now out of the cyclic garbage collector's reach (`gc.freeze`).
+
+    A compile leaves ~650k long-lived Python objects (graphs, guards, generated code) that each
+    full collection would walk again: on the embedded pair, before this, 21% of a speculative
+    run's main-thread samples were in the collector (py-spy), and freezing after the warm-up
+    made both decoders faster in one process (speculative 800 -> 944 tok/s, autoregressive 552 ->
+    641). vLLM freezes after its warm-up for the same reason. Objects alive now are still freed
+    by reference counting; garbage cycles among them wait for the process's exit.
+    """
+    gc.collect()
+    gc.freeze()
+    if not _unfreeze_at_exit:  # at exit, give them back: the interpreter's last collection frees them
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit.append(True)
+
+
+_unfreeze_at_exit: list[bool] = []
 
 
 def _register_callbacks() -> None:
