@@ -91,21 +91,16 @@ def _on_compile_end(_args=None) -> None:
 def _freeze_heap() -> None:
     """Move every object alive now out of the cyclic garbage collector's reach (`gc.freeze`).
 
-    A compile leaves ~650k long-lived Python objects (graphs, guards, generated code) that each
-    full collection would walk again: on the embedded pair, before this, 21% of a speculative
-    run's main-thread samples were in the collector (py-spy), and freezing after the warm-up
-    made both decoders faster in one process (speculative 800 -> 944 tok/s, autoregressive 552 ->
-    641). vLLM freezes after its warm-up for the same reason. Objects alive now are still freed
-    by reference counting; garbage cycles among them wait for the process's exit.
+    After the embedded pair's warm-up the process holds ~650k tracked objects (~300k before its
+    graphs compiled: graphs, guards and generated code are the rest), and each full collection
+    walked them all again: before this, 21% of a speculative run's main-thread samples were in
+    the collector (py-spy), and freezing after the warm-up made both decoders faster in one
+    process (speculative 711-800 -> 944 tok/s, autoregressive 552-575 -> 641). vLLM freezes after
+    its warm-up for the same reason. Objects alive now are still freed by reference counting;
+    garbage cycles among them wait for the process's exit (`_register_callbacks` unfreezes then).
     """
     gc.collect()
     gc.freeze()
-    if not _unfreeze_at_exit:  # at exit, give them back: the interpreter's last collection frees them
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit.append(True)
-
-
-_unfreeze_at_exit: list[bool] = []
 
 
 def _register_callbacks() -> None:
@@ -114,6 +109,7 @@ def _register_callbacks() -> None:
     if _on_compile_start not in callback_handler.start_callbacks:
         callback_handler.register_start_callback(_on_compile_start)
         callback_handler.register_end_callback(_on_compile_end)
+        atexit.register(gc.unfreeze)  # the interpreter's last collection then frees what _freeze_heap froze
 
 
 class CompiledForward:
