@@ -123,6 +123,32 @@ def test_compiled_bf16_rounds_decode_and_verify_alike(bf16_pair):
         assert wb.SpecDecoder(pair, k, fused=False).generate(prompt, 16).tokens == ar.tokens, k
 
 
+def test_compiled_attention_rounds_a_row_alike_in_any_call():
+    """A query row gets the same bits from the compiled attention twin alone (a decode, over its
+    position + 1 keys) or among four (a verify, over start + 4 keys for every row), at every key
+    count. Summing over exactly n keys split each row between whole vector blocks and a scalar tail
+    where n says, so the two calls grouped a row's terms differently (keys_in_blocks): in bf16 that
+    flipped three greedy near-ties of 64 prompts x 512 tokens on the embedded pair."""
+    from workbench.compiled import compile_function
+    from workbench.kernels.reference import mla_attention_torch
+
+    def attend(q_lat, q_pe, cache, n: int):
+        seq_lens = torch.full((1,), n, dtype=torch.int32)
+        return mla_attention_torch(q_lat, q_pe, cache, seq_lens, 0.125, max_seq_len=n)[0]
+
+    attend = compile_function(attend)
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(1, 100, 40, generator=g)  # a buffer that is not a whole number of key blocks
+    q_lat, q_pe = torch.randn(1, 4, 4, 32, generator=g), torch.randn(1, 4, 4, 8, generator=g)
+    for end in range(5, 101):
+        four = attend(q_lat, q_pe, cache, end)
+        for t in range(4):
+            one = attend(q_lat[:, t:t + 1], q_pe[:, t:t + 1], cache, end - 3 + t)
+            assert torch.equal(one[0, 0], four[0, t]), (end, t)
+    want = mla_attention_torch(q_lat, q_pe, cache, torch.tensor([70], dtype=torch.int32), 0.125)[0]
+    torch.testing.assert_close(attend(q_lat, q_pe, cache, 70), want, rtol=1e-5, atol=1e-6)  # and it is the same math
+
+
 def test_with_draft_keeps_a_compiled_pair_compiled(pairs):
     eager, compiled = pairs
     swapped = compiled.with_draft(compiled.draft_dir)

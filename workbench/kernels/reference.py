@@ -127,6 +127,27 @@ def gather_kv(cache: Tensor, seq_lens: Tensor, n: int, block_table: Tensor | Non
     return kv
 
 
+KEY_BLOCK = 64  # compiled, keys are read in whole blocks of this many (keys_in_blocks)
+
+
+def keys_in_blocks(cache: Tensor, seq_lens: Tensor, n: int) -> tuple[Tensor, int]:
+    """Rows [B, n', L+R] of a contiguous cache for n' = n rounded up to whole KEY_BLOCKs, zeroed
+    past each sequence's length (and past the buffer's end), and n'. For compiled graphs.
+
+    Inductor's C++ sums a reduction over n keys as whole 16-lane vectors, then a scalar tail
+    from 16 * (n // 16) on. A 4-token verify reduces over n = start + 4 keys for each of its rows,
+    a decode of the same row over n = its position + 1, so the two grouped that row's exp() terms
+    differently: the fp32 sums differed in the last bit, and in bf16 three greedy near-ties of
+    64 prompts x 512 tokens flipped. Over zero-padded whole blocks every row gets the same
+    vectors and no tail whichever call computes it (the extra terms are exact zeros), so a
+    decode and a verify round each row alike at any length (tests/test_compiled.py).
+    """
+    n = (n + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
+    pos = torch.arange(n, device=cache.device)
+    kv = cache[:, pos.clamp(max=cache.shape[1] - 1)]
+    return torch.where((pos[None, :] < seq_lens[:, None])[..., None], kv, torch.zeros_like(kv)), n
+
+
 def mla_attention_torch(q_lat: Tensor, q_pe: Tensor, cache: Tensor, seq_lens: Tensor,
                         sm_scale: float, *, block_table: Tensor | None = None,
                         num_kv_splits: int | None = None,
@@ -152,9 +173,13 @@ def mla_attention_torch(q_lat: Tensor, q_pe: Tensor, cache: Tensor, seq_lens: Te
     if n == 0:
         return (torch.zeros_like(q_lat),
                 torch.full((batch, q_len, heads), float("-inf"), device=q_lat.device))
-    kv = gather_kv(cache, seq_lens, n, block_table).float()  # [B, n, L+R]
-    q = torch.cat([q_lat, q_pe], dim=-1).float()  # [B, Sq, H, L+R]
     compiling = torch.compiler.is_compiling()  # reductions, not matmuls: the same code for any Sq (models/mla.py)
+    if compiling and block_table is None:
+        kv, n = keys_in_blocks(cache, seq_lens, n)
+    else:
+        kv = gather_kv(cache, seq_lens, n, block_table)
+    kv = kv.float()  # [B, n, L+R]
+    q = torch.cat([q_lat, q_pe], dim=-1).float()  # [B, Sq, H, L+R]
     if compiling:
         scores = (q[:, :, :, None, :] * kv[:, None, None]).sum(-1) * sm_scale
     else:
