@@ -126,9 +126,7 @@ def test_compiled_bf16_rounds_decode_and_verify_alike(bf16_pair):
 def test_compiled_attention_rounds_a_row_alike_in_any_call():
     """A query row gets the same bits from the compiled attention twin alone (a decode, over its
     position + 1 keys) or among four (a verify, over start + 4 keys for every row), at every key
-    count. Summing over exactly n keys split each row between whole vector blocks and a scalar tail
-    where n says, so the two calls grouped a row's terms differently (keys_in_blocks): in bf16 that
-    flipped three greedy near-ties of 64 prompts x 512 tokens on the embedded pair."""
+    count: why is in `keys_in_blocks`."""
     from workbench.compiled import compile_function
     from workbench.kernels.reference import mla_attention_torch
 

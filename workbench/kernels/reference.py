@@ -123,8 +123,13 @@ def gather_kv(cache: Tensor, seq_lens: Tensor, n: int, block_table: Tensor | Non
         pages = torch.where(valid, pages, torch.zeros_like(pages))  # unused entries may be junk
         kv = cache[pages, (pos % page_size)[None, :]]  # [B, n, L+R]
     if seq_lens.shape[0] > 1 or block_table is not None:  # a single contiguous row is all valid
-        kv = torch.where((pos[None, :] < seq_lens[:, None])[..., None], kv, torch.zeros_like(kv))
+        kv = _zero_past_lengths(kv, pos, seq_lens)
     return kv
+
+
+def _zero_past_lengths(kv: Tensor, pos: Tensor, seq_lens: Tensor) -> Tensor:
+    """kv [B, n, L+R] with the rows at positions pos [n] >= each sequence's length set to 0."""
+    return torch.where((pos[None, :] < seq_lens[:, None])[..., None], kv, torch.zeros_like(kv))
 
 
 KEY_BLOCK = 64  # compiled, keys are read in whole blocks of this many (keys_in_blocks)
@@ -144,8 +149,7 @@ def keys_in_blocks(cache: Tensor, seq_lens: Tensor, n: int) -> tuple[Tensor, int
     """
     n = (n + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
     pos = torch.arange(n, device=cache.device)
-    kv = cache[:, pos.clamp(max=cache.shape[1] - 1)]
-    return torch.where((pos[None, :] < seq_lens[:, None])[..., None], kv, torch.zeros_like(kv)), n
+    return _zero_past_lengths(cache[:, pos.clamp(max=cache.shape[1] - 1)], pos, seq_lens), n
 
 
 def mla_attention_torch(q_lat: Tensor, q_pe: Tensor, cache: Tensor, seq_lens: Tensor,
