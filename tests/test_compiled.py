@@ -104,23 +104,41 @@ def bf16_pair(tmp_path_factory):
     return wb.load_pair(vdir, ddir, dtype="bfloat16").compile()
 
 
+def _rows_one_and_four_at_a_time(pair, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verifier's logits for 12 tokens teacher-forced one at a time and four at a time, after
+    checking that the 4-token calls ran the 1-token calls' graph (no specialisation on T = 1)."""
+    graphs = _graphs()
+    with torch.inference_mode():
+        c1, c4 = pair.verifier_cache(64), pair.verifier_cache(64)
+        for c in (c1, c4):
+            pair.verifier(torch.tensor([prompt]), c, logits_to_keep=1)
+        one = [pair.verifier(torch.tensor([[t]]), c1, logits_to_keep=1).logits[0, -1] for t in tokens[:12]]
+        four = [pair.verifier(torch.tensor([tokens[i:i + 4]]), c4).logits[0] for i in range(0, 12, 4)]
+    assert _graphs() == graphs
+    torch.testing.assert_close(c1.valid(), c4.valid(), rtol=0, atol=0)  # and the cache rows they wrote
+    return torch.stack(one), torch.cat(four)
+
+
 def test_compiled_bf16_rounds_decode_and_verify_alike(bf16_pair):
     """One graph for 1 and for k+1 new tokens: each row's logits are bit-identical, so bf16 stays lossless."""
     pair = bf16_pair
     prompt = pair.encode(PROMPTS[1])
     ar = wb.generate_autoregressive(pair, prompt, 16)  # compiles the verifier's graph with T = 1
-    graphs = _graphs()
-    with torch.inference_mode():  # teacher-forced over ar's tokens: one at a time, then four at a time
-        c1, c4 = pair.verifier_cache(64), pair.verifier_cache(64)
-        for c in (c1, c4):
-            pair.verifier(torch.tensor([prompt]), c, logits_to_keep=1)
-        one = [pair.verifier(torch.tensor([[t]]), c1, logits_to_keep=1).logits[0, -1] for t in ar.tokens[:12]]
-        four = [pair.verifier(torch.tensor([ar.tokens[i:i + 4]]), c4).logits[0] for i in range(0, 12, 4)]
-    assert _graphs() == graphs  # T = 4 ran the T = 1 graph: no specialisation on one token
-    torch.testing.assert_close(torch.stack(one), torch.cat(four), rtol=0, atol=0)
+    one, four = _rows_one_and_four_at_a_time(pair, prompt, ar.tokens)
+    torch.testing.assert_close(one, four, rtol=0, atol=0)
     for k in (1, 3):  # fused steps verify with this same graph; unfused ones too
         assert wb.SpecDecoder(pair, k).generate(prompt, 16).tokens == ar.tokens, k
         assert wb.SpecDecoder(pair, k, fused=False).generate(prompt, 16).tokens == ar.tokens, k
+
+
+def test_compiled_fp32_rounds_decode_and_verify_alike(pairs):
+    """fp32 too. There `.float()` is a no-op, and a strided view of T = 1 rows once let inductor
+    specialise the 1-token graph (models/mla.py's q_lat): a verify then ran a second graph."""
+    _, pair = pairs
+    prompt = pair.encode(PROMPTS[0])
+    ar = wb.generate_autoregressive(pair, prompt, 16)
+    one, four = _rows_one_and_four_at_a_time(pair, prompt, ar.tokens)
+    torch.testing.assert_close(one, four, rtol=0, atol=0)
 
 
 def test_compiled_attention_rounds_a_row_alike_in_any_call():

@@ -20,11 +20,12 @@ size-oblivious (torch would otherwise specialise T = 1 into a graph of its own),
 matmul's kernel would depend on T the models use plain reductions when compiling, and the
 attention reads its keys in whole blocks (`workbench.kernels.reference.keys_in_blocks`: a sum
 over exactly n keys put a row's last keys in a scalar tail where n said, and a verify's n is not
-its rows' decode n). So a 1-token decode and a k+1-token verify run the same kernels and, in
-bf16 on the embedded pair, round each row identically (64 of 64 bench prompts equal at 128 and
-at 512 tokens; tests/test_compiled.py). In fp32, rows can still differ in the last bit (a
-random fp32 pair's first-layer attention output, 4.5e-8, cause not isolated): the tokens
-agree there, but a near-tie is then reported as one. With oneDNN's linears one dependency remained,
+its rows' decode n). So a 1-token decode and a k+1-token verify run the same kernels and round
+each row identically, in bf16 (64 of 64 embedded-pair bench prompts equal at 128 and at 512
+tokens) and in fp32 (tests/test_compiled.py checks both, logits and cache rows). A guard on
+T = 1 anywhere in the graph breaks this silently, as a second graph for the verify: in fp32 one
+came from a strided view that bf16's casts had hidden (models/mla.py, q_lat), and the tests
+count graphs for that reason. With oneDNN's linears one dependency remained,
 weights prepacked for the batch size of a graph's first call; the CPP GEMMs have none measured:
 compiled 1-token-first on the embedded pair, 1-row and 4-row verifier logits were identical on
 all 576 rows checked (12 prompts x 48 tokens). Compiled and eager bf16 round differently from

@@ -107,8 +107,10 @@ class MLAttention(nn.Module):
             # Compiled, the kernel of a matmul (and einsum's own shape checks) depend on T, so a
             # 1-token decode and a k+1-token verify would round the same row differently (in bf16
             # a greedy near-tie then flips). Plain reductions give every row the same code
-            # whatever T is, so one graph serves both and rounds them alike.
-            q_lat = (q_nope.float()[..., None] * w_uk.float()).sum(-2).to(q_nope.dtype)
+            # whatever T is, so one graph serves both and rounds them alike. contiguous(): in fp32
+            # `.float()` is a no-op, and inductor specialised the 1-token graph on this strided
+            # split of q (a size-1 dim's stride), so a verify compiled and ran a graph of its own.
+            q_lat = (q_nope.float().contiguous()[..., None] * w_uk.float()).sum(-2).to(q_nope.dtype)
         else:
             q_lat = torch.einsum("btnp,npl->btnl", q_nope, w_uk)
         if isinstance(seq_len, torch.Tensor):
