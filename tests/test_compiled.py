@@ -106,7 +106,7 @@ def bf16_pair(tmp_path_factory):
 
 def _rows_one_and_four_at_a_time(pair, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The verifier's logits for 12 tokens teacher-forced one at a time and four at a time, after
-    checking that the 4-token calls ran the 1-token calls' graph (no specialisation on T = 1)."""
+    checking that these calls compiled no new graph and wrote the same cache rows."""
     graphs = _graphs()
     with torch.inference_mode():
         c1, c4 = pair.verifier_cache(64), pair.verifier_cache(64)
