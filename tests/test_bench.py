@@ -6,7 +6,8 @@ import torch
 
 import workbench as wb
 from conftest import make_random_pair
-from workbench.analysis.bench import divergence, run_bench, tie_tolerance
+from workbench.analysis.bench import divergence, run_bench, step_cost, tie_tolerance
+from workbench.cli import _bench_text
 
 PROMPTS = ["def parse(text):\n    ", "class Stack:\n    def push(self, x):\n        "]
 
@@ -34,6 +35,31 @@ def test_report_pools_the_runs_it_made(pair):
     split = r["draft_time_s"] + r["verify_time_s"] + r["prefill_time_s"]
     assert 0 < split <= sum(p["spec_s"] for p in r["per_prompt"]) and r["prefill_time_s"] > 0
     assert 0 < r["ar_prefill_time_s"] < sum(p["ar_s"] for p in r["per_prompt"])
+    # the step cost is read from the same runs: time after each prefill, per step and per decoded token
+    c, n = r["step_cost"], len(PROMPTS)
+    spec_s, ar_s = sum(p["spec_s"] for p in r["per_prompt"]), sum(p["ar_s"] for p in r["per_prompt"])
+    spec_tokens, ar_tokens = sum(len(x.tokens) for x in runs), sum(p["ar_tokens"] for p in r["per_prompt"])
+    assert c["spec_step_ms"] == pytest.approx((spec_s - r["prefill_time_s"]) / r["spec_steps"] * 1e3)
+    assert c["ar_decode_ms"] == pytest.approx((ar_s - r["ar_prefill_time_s"]) / (ar_tokens - n) * 1e3)
+    assert c["tokens_per_step"] == pytest.approx((spec_tokens - n) / r["spec_steps"]) and 1 <= c["tokens_per_step"] <= 3
+    assert c["decode_speedup"] <= c["speedup_if_all_accepted"] == pytest.approx(3 / c["decodes_per_step"])
+    text = _bench_text(r)  # `workbench bench` without --json
+    assert f"a step costs {c['decodes_per_step']:.2f} decodes" in text and f"at most {3 / c['decodes_per_step']:.2f}x" in text
+
+
+def test_step_cost_leaves_the_prefills_out():
+    # 30 tokens after a prefill: autoregressive 1.8 s of decoding (60 ms a token), speculative
+    # 10 steps in 0.8 s (80 ms, 1.33 decodes) of 3 tokens each: 2.25x, at most 3x at k = 3
+    c = step_cost(3, spec_s=1.0, spec_prefill_s=0.2, spec_tokens=31, spec_steps=10, ar_s=2.0, ar_prefill_s=0.2,
+                  ar_tokens=31, num_requests=1)
+    assert c["ar_decode_ms"] == pytest.approx(60) and c["spec_step_ms"] == pytest.approx(80)
+    assert c["decodes_per_step"] == pytest.approx(4 / 3) and c["tokens_per_step"] == 3
+    assert c["decode_speedup"] == pytest.approx(2.25) and c["speedup_if_all_accepted"] == pytest.approx(3.0)
+    assert (c["prefill_share_spec"], c["prefill_share_ar"]) == (pytest.approx(0.2), pytest.approx(0.1))
+    # a request that ends at its first token has no step to cost
+    none = step_cost(3, 0.1, 0.1, 1, 0, 0.1, 0.1, 1, 1)
+    assert none["decodes_per_step"] is None and none["speedup_if_all_accepted"] is None
+    assert set(none) == set(c) and none["prefill_share_spec"] == 1.0
 
 
 def test_divergence_reads_the_autoregressive_runs_own_margin(pair):

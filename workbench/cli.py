@@ -131,6 +131,12 @@ def _bench_text(r: dict) -> str:
              f"speculative {r['spec_tokens_per_s']:.1f} tok/s  autoregressive {r['ar_tokens_per_s']:.1f} tok/s  "
              f"speedup {r['speedup']:.2f}x (median per prompt {r['speedup_median']:.2f}x)",
              f"lossless {r['lossless']}  ties {len(r['ties'])}"]
+    c = r.get("step_cost") or {}
+    if c.get("decodes_per_step") is not None:
+        lines.append(f"a step costs {c['decodes_per_step']:.2f} decodes ({c['spec_step_ms']:.2f} ms against "
+                     f"{c['ar_decode_ms']:.2f} ms) and yields {c['tokens_per_step']:.2f} tokens: "
+                     f"{c['decode_speedup']:.2f}x with the prefills left out, at most "
+                     f"{c['speedup_if_all_accepted']:.2f}x were every proposal accepted")
     for name, peer in r.get("peers", {}).items():
         lines.append(f"peer {name}: {peer.get('tokens_per_s', float('nan')):.1f} tok/s; ours/peer "
                      f"{peer.get('ours_over_peer', float('nan')):.2f}x {peer.get('note', '')}")

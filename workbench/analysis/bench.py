@@ -8,6 +8,11 @@ differently from one-token decoding, so a near-tie can flip; every divergence is
 the verifier's logit gap between the two candidates, and the run counts as lossless only if
 each gap, read from the autoregressive run's own logits, is within the dtype's rounding
 (`tie_tolerance`).
+
+The report also says what the speedup is made of (`step_cost`, from the same runs): a step's
+cost in autoregressive decodes, the tokens it yields, and so what speculation gives once the
+prefills are left out, and at most, were every proposal accepted at that cost. A ratio alone
+cannot tell a weak draft from an expensive step; these can.
 """
 from __future__ import annotations
 
@@ -51,6 +56,33 @@ def divergence(pair, prompt_ids: list[int], a: list[int], b: list[int], attentio
             "logit_spec": lb, "gap": abs(la - lb), "tolerance": tol, "tie": abs(la - lb) <= tol}
 
 
+def step_cost(k: int, spec_s: float, spec_prefill_s: float, spec_tokens: int, spec_steps: int, ar_s: float,
+              ar_prefill_s: float, ar_tokens: int, num_requests: int) -> dict:
+    """Where a speedup comes from: a speculative step against one autoregressive decode.
+
+    Each request's prefill (one verifier forward over the prompt, which emits the first token)
+    costs both methods the same and is left out, so `decode_speedup` is the speedup of the
+    decoding itself. `speedup_if_all_accepted` is k+1 tokens a step at the measured step cost:
+    what a perfect draft would give at this cost, so a target above it needs a cheaper step, not
+    a better draft (a fused step always drafts k, so its cost does not depend on acceptance;
+    unfused, a step's draft pass covers one more position per accepted token, a small change).
+    A step's time includes its drafting and host work, and each request's first step includes
+    the draft's pass over the prompt.
+    """
+    shares = {"prefill_share_spec": spec_prefill_s / spec_s if spec_s > 0 else None,
+              "prefill_share_ar": ar_prefill_s / ar_s if ar_s > 0 else None}
+    decoded_ar, decoded_spec = ar_tokens - num_requests, spec_tokens - num_requests
+    if spec_steps == 0 or decoded_ar <= 0:  # every request ended at its first token
+        return {"ar_decode_ms": None, "spec_step_ms": None, "decodes_per_step": None, "tokens_per_step": None,
+                "decode_speedup": None, "speedup_if_all_accepted": None, **shares}
+    ar_decode = (ar_s - ar_prefill_s) / decoded_ar
+    spec_step = (spec_s - spec_prefill_s) / spec_steps
+    decodes, tokens = spec_step / ar_decode, decoded_spec / spec_steps
+    return {"ar_decode_ms": ar_decode * 1e3, "spec_step_ms": spec_step * 1e3, "decodes_per_step": decodes,
+            "tokens_per_step": tokens, "decode_speedup": tokens / decodes, "speedup_if_all_accepted": (k + 1) / decodes,
+            **shares}
+
+
 def _timed(fn):
     t = time.perf_counter()
     out = fn()
@@ -91,6 +123,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
         _tick(bar, f"AL {spec.stats.accept_length:.2f}")
     _close(bar)
     stats = compute_stats(spec_events, elapsed=spec_t, num_tokens=spec_tok)
+    spec_steps = sum(e.kind == "spec" for e in spec_events)
     report = {
         "k": k, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(pair.dtype).replace("torch.", ""),
         "device": str(pair.device), "attention": dec.attention, "threads": torch.get_num_threads(), "repeats": repeats,
@@ -103,8 +136,10 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
         "speedup": (spec_tok / spec_t) / (ar_tok / ar_t), "speedup_median": statistics.median(ratios),
         # Where a speculative run's time goes: its steps' draft and verify time, and per request the
         # prompt's prefill (the same work as the autoregressive run's first forward, also reported).
-        "spec_steps": sum(e.kind == "spec" for e in spec_events), "draft_time_s": stats.draft_time,
+        "spec_steps": spec_steps, "draft_time_s": stats.draft_time,
         "verify_time_s": stats.verify_time, "prefill_time_s": stats.prefill_time, "ar_prefill_time_s": ar_prefill_t,
+        "step_cost": step_cost(k, spec_t, stats.prefill_time, spec_tok, spec_steps, ar_t, ar_prefill_t, ar_tok,
+                               len(prompts)),
         "lossless": all(t.get("tie") for t in ties), "identical": not ties, "ties": ties, "per_prompt": per_prompt,
     }
     if peers:
