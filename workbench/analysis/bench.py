@@ -138,6 +138,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
         # prompt's prefill (the same work as the autoregressive run's first forward, also reported).
         "spec_steps": spec_steps, "draft_time_s": stats.draft_time,
         "verify_time_s": stats.verify_time, "prefill_time_s": stats.prefill_time, "ar_prefill_time_s": ar_prefill_t,
+        # With repeats, the times are medians per prompt and the prefills are the first run's.
         "step_cost": step_cost(k, spec_t, stats.prefill_time, spec_tok, spec_steps, ar_t, ar_prefill_t, ar_tok,
                                len(prompts)),
         "lossless": all(t.get("tie") for t in ties), "identical": not ties, "ties": ties, "per_prompt": per_prompt,
