@@ -6,7 +6,7 @@ import torch
 
 import workbench as wb
 from conftest import make_random_pair
-from workbench.analysis.bench import divergence, run_bench, step_cost, tie_tolerance
+from workbench.analysis.bench import divergence, run_bench, step_components, step_cost, tie_tolerance
 from workbench.cli import _bench_text
 
 PROMPTS = ["def parse(text):\n    ", "class Stack:\n    def push(self, x):\n        "]
@@ -60,6 +60,39 @@ def test_step_cost_leaves_the_prefills_out():
     none = step_cost(3, 0.1, 0.1, 1, 0, 0.1, 0.1, 1, 1)
     assert none["decodes_per_step"] is None and none["speedup_if_all_accepted"] is None
     assert set(none) == set(c) and none["prefill_share_spec"] == 1.0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_components_time_each_part_at_one_position(pair, fused):
+    dec = wb.SpecDecoder(pair, 2, fused=fused)
+    before = dec.generate(PROMPTS[1], 12).tokens
+    ar = wb.generate_autoregressive(pair, PROMPTS[1], 12)
+    calls = dec.fused.calls if fused else 0
+    c = step_components(dec, PROMPTS[1], 12, repeats=3)
+    # half-way through the greedy continuation, every part timed on its own and against a decode
+    assert (c["position"], c["repeats"], c["fused"]) == (len(ar.prompt_tokens) + (len(ar.tokens) - 1) // 2, 3, fused)
+    assert all(c[f"{p}_ms"] > 0 for p in ("decode", "verify", "draft", "step"))
+    for p in ("verify", "draft", "step"):
+        assert c[f"{p}_decodes"] == pytest.approx(c[f"{p}_ms"] / c["decode_ms"])
+    assert c["speedup_if_all_accepted"] == pytest.approx(3 / c["step_decodes"])
+    if fused:  # the draft prompt's pass, then each drafting call and each whole step ran the second half
+        assert dec.fused.calls - calls == 1 + 2 * 3
+    assert dec.generate(PROMPTS[1], 12).tokens == before == ar.tokens  # the decoder is as it was
+    with pytest.raises(ValueError, match="rewind to"):  # a proposer forgets only positions it has seen
+        dec.proposer.rewind(dec.proposer.seen + 1)
+    with pytest.raises(ValueError, match="repeats = 0"):
+        step_components(dec, PROMPTS[1], 12, repeats=0)
+    with pytest.raises(ValueError, match="no room to verify k = 2"):  # two positions short of the context
+        step_components(dec, [5] * (pair.context_length - 2), 4, repeats=1)
+
+
+def test_bench_reports_the_components_when_asked(pair):
+    r = run_bench(pair, PROMPTS[:1], k=2, max_new_tokens=10, peers=False, progress=False, components=2)
+    c = r["components"]
+    assert c["repeats"] == 2 and c["fused"] == r["fused"]
+    assert "components" not in run_bench(pair, PROMPTS[:1], k=2, max_new_tokens=4, peers=False, progress=False)
+    assert (f"alone at position {c['position']} (medians of 2): a decode {c['decode_ms']:.2f} ms, a verify of 3"
+            in _bench_text(r)) and f"at most {c['speedup_if_all_accepted']:.2f}x" in _bench_text(r).splitlines()[-1]
 
 
 def test_divergence_reads_the_autoregressive_runs_own_margin(pair):

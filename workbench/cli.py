@@ -118,7 +118,7 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     report = run_bench(pair, prompts, k=args.k, max_new_tokens=args.max_new_tokens, attention=args.attention,
                        peers=not args.no_peers, peer_prompts=args.peer_prompts, repeats=args.repeats,
-                       fused=_FUSED[args.fused])
+                       fused=_FUSED[args.fused], components=args.components)
     report["prompts_file"] = str(args.prompts)
     print(json.dumps(report) if args.json else _bench_text(report))
     return 0
@@ -137,6 +137,11 @@ def _bench_text(r: dict) -> str:
                      f"{c['ar_decode_ms']:.2f} ms) and yields {c['tokens_per_step']:.2f} tokens: "
                      f"{c['decode_speedup']:.2f}x with the prefills left out, at most "
                      f"{c['speedup_if_all_accepted']:.2f}x were every proposal accepted")
+    if p := r.get("components"):
+        lines.append(f"alone at position {p['position']} (medians of {p['repeats']}): a decode {p['decode_ms']:.2f} ms, "
+                     f"a verify of {r['k'] + 1} {p['verify_ms']:.2f} ms ({p['verify_decodes']:.2f} decodes), drafting "
+                     f"{p['draft_ms']:.2f} ms ({p['draft_decodes']:.2f}), a step {p['step_ms']:.2f} ms "
+                     f"({p['step_decodes']:.2f}): at most {p['speedup_if_all_accepted']:.2f}x")
     for name, peer in r.get("peers", {}).items():
         lines.append(f"peer {name}: {peer.get('tokens_per_s', float('nan')):.1f} tok/s; ours/peer "
                      f"{peer.get('ours_over_peer', float('nan')):.2f}x {peer.get('note', '')}")
@@ -247,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (median kept)")
     p.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
     p.add_argument("--peer-prompts", type=int, default=8, help="prompts timed with transformers (slow)")
+    p.add_argument("--components", type=int, default=0, metavar="N",
+                   help="also time a step's parts alone (decode, verify, drafting, the step), N calls each")
     _fused_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_bench)

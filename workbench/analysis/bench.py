@@ -83,6 +83,93 @@ def step_cost(k: int, spec_s: float, spec_prefill_s: float, spec_tokens: int, sp
             **shares}
 
 
+def step_components(dec, prompt: str | list[int], max_new_tokens: int = 128, repeats: int = 50) -> dict:
+    """Each part of one speculative step timed alone against one decode, at the same position.
+
+    `step_cost` reads a step from the bench's loop, host work and all; these are the forwards
+    themselves, each called `repeats` times in a row with nothing in between (medians), so the
+    two together tell the forwards' cost from the loop's. The position is half-way through the
+    prompt's greedy continuation (the prompt and that half are prefilled, as one forward). Every
+    proposal is taken as accepted: a fused step always drafts over k+1 positions, and unfused that
+    is the draft's dearest first pass. Both caches are rolled back after each call, so every call
+    sees the same rows. Fused (`dec.fused`), drafting is the step's second half
+    (`FusedGreedyStep.draft_after`: the greedy acceptance and the k draft passes); unfused, it is the
+    proposer's `propose` and the step adds the host's acceptance.
+    """
+    import workbench as wb
+
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"step components: repeats = {repeats!r}; expected an integer >= 1")
+    pair, k, att, prop = dec.pair, dec.k, dec.attention, dec.proposer
+    ar = wb.generate_autoregressive(pair, prompt, max_new_tokens, attention=att)
+    seq = ar.prompt_tokens + ar.tokens[: max(0, len(ar.tokens) - 1) // 2]
+    n = len(seq)
+    cache_len = min(pair.context_length, len(ar.prompt_tokens) + max_new_tokens + k + 1)  # as SpecDecoder.stream's
+    if n + k + 1 > cache_len:
+        raise ValueError(f"step components: {n} positions leave no room to verify k = {k} proposals in a "
+                         f"{cache_len}-row cache; expected a shorter prompt or more max_new_tokens")
+
+    def tensor(ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], device=pair.device)
+
+    def median_ms(fn) -> float:
+        times = [_timed(fn)[1] for _ in range(repeats)]
+        return statistics.median(times) * 1e3
+
+    with torch.inference_mode():
+        vcache = pair.verifier_cache(cache_len)
+        out = pair.verifier(tensor(seq), vcache, logits_to_keep=1, attention=att)
+        first = int(out.logits[0, -1].float().argmax())
+        tokens = seq + [first]
+        prop.reset(cache_len + k)
+        if dec.fused is not None:
+            proposal = prop.fused_first(dec.fused, tokens, out.aux_hidden_states, out.logits[0, -1:])
+        else:
+            proposal = prop.propose(tokens, out.aux_hidden_states if prop.needs_aux else None, k)
+        proposals = proposal.tokens[:k]
+        x1, xk = tensor([first]), tensor([first] + proposals)
+        verified = pair.verifier(xk, vcache, attention=att)
+        vcache.truncate(n)
+        after = tokens + proposals + [int(verified.logits[0, -1].float().argmax())]  # all k accepted, then the bonus
+        dq = proposal.draft_probs[:k] if proposal.draft_probs is not None else None
+
+        def decode():
+            pair.verifier(x1, vcache, logits_to_keep=1, attention=att)
+            vcache.truncate(n)
+
+        def verify():
+            pair.verifier(xk, vcache, attention=att)
+            vcache.truncate(n)
+
+        if dec.fused is not None:
+            def draft():
+                dec.fused.draft_after(verified.logits[0], verified.aux_hidden_states, xk, prop.cache)
+                prop.cache.truncate(n)
+
+            def step():
+                dec.fused(first, proposals, vcache, prop.cache)
+                vcache.truncate(n)
+                prop.cache.truncate(n)
+        else:
+            new_aux = verified.aux_hidden_states if prop.needs_aux else None
+
+            def draft():
+                prop.rewind(n)
+                prop.propose(after, new_aux, k)
+
+            def step():
+                draft()
+                o = pair.verifier(xk, vcache, attention=att)
+                dec.acceptor.verify(proposals, dq, o.logits[0], dec.params, dec.generator)
+                vcache.truncate(n)
+
+        t = {name: median_ms(fn) for name, fn in
+             (("decode_ms", decode), ("verify_ms", verify), ("draft_ms", draft), ("step_ms", step))}
+    per = {f"{name[:-3]}_decodes": t[name] / t["decode_ms"] for name in ("verify_ms", "draft_ms", "step_ms")}
+    return {"position": n, "repeats": repeats, "fused": dec.fused is not None, **t, **per,
+            "speedup_if_all_accepted": (k + 1) / per["step_decodes"]}
+
+
 def _timed(fn):
     t = time.perf_counter()
     out = fn()
@@ -91,7 +178,9 @@ def _timed(fn):
 
 def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, attention: str = "auto",
               peers: bool = True, peer_prompts: int = 8, repeats: int = 1, progress: bool = True,
-              fused: bool | None = None) -> dict:
+              fused: bool | None = None, components: int = 0) -> dict:
+    """Every prompt speculatively and autoregressively, alternating which goes first; with
+    `components` > 0, also `step_components` on the first prompt, that many calls of each part."""
     import workbench as wb
 
     dec = wb.SpecDecoder(pair, num_speculative_tokens=k, attention=attention, fused=fused)
@@ -143,6 +232,8 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
                                len(prompts)),
         "lossless": all(t.get("tie") for t in ties), "identical": not ties, "ties": ties, "per_prompt": per_prompt,
     }
+    if components:
+        report["components"] = step_components(dec, prompts[0], max_new_tokens, components)
     if peers:
         report["peers"] = peer_bench(pair, prompts[:peer_prompts], max_new_tokens, k, attention, progress)
     return report

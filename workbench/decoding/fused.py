@@ -82,7 +82,9 @@ class FusedGreedyStep:
 
             self.fn = compile_function(accept_and_draft)
 
-    def _draft(self, logits, aux, x: torch.Tensor, dcache: KVCache) -> FusedOutcome:
+    def draft_after(self, logits, aux, x: torch.Tensor, dcache: KVCache) -> FusedOutcome:
+        """The second half alone: accept after the verifier's forward over x (its logits [T, V] and
+        aux states) and draft the next k from dcache.length on (a benchmark times it apart)."""
         self.calls += 1
         # As in CompiledForward, a cache of 0 or 1 rows (after a 1- or 2-token prompt) runs eagerly
         # rather than specialising a graph on those lengths.
@@ -101,7 +103,7 @@ class FusedGreedyStep:
         x = torch.tensor([[last] + proposals], device=vcache.rows.device)
         out = self.verifier(x, vcache)  # the per-token graph on a compiled pair; advances vcache
         dcache.truncate(start)
-        outcome = self._draft(out.logits[0], out.aux_hidden_states, x, dcache)
+        outcome = self.draft_after(out.logits[0], out.aux_hidden_states, x, dcache)
         vcache.truncate(start + 1 + outcome.num_accepted)
         dcache.truncate(start + 1 + outcome.num_accepted)  # the first pass's rows up to the accepted count are final
         return outcome
@@ -113,7 +115,7 @@ class FusedGreedyStep:
         start = dcache.length
         fresh = torch.contiguous_format  # the prefill's slices: their strides would fail the graph's stride guards
         logits, aux = logits.clone(memory_format=fresh), tuple(h.clone(memory_format=fresh) for h in aux)
-        outcome = self._draft(logits, aux, torch.tensor([[token]], device=dcache.rows.device), dcache)
+        outcome = self.draft_after(logits, aux, torch.tensor([[token]], device=dcache.rows.device), dcache)
         dcache.truncate(start + 1)
         return outcome
 

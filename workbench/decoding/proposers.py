@@ -40,6 +40,8 @@ class Proposer(Protocol):
 
     def propose(self, tokens: list[int], new_aux: tuple[torch.Tensor, ...] | None, k: int) -> Proposal: ...
 
+    def rewind(self, n: int) -> None: ...  # forget positions n.. (stateless proposers: nothing to do)
+
 
 class EagleProposer:
     """EAGLE-3 chain drafting with an MLA (or MHA) draft layer."""
@@ -68,6 +70,14 @@ class EagleProposer:
             self.cache = self.draft.new_cache(max_len)
         self.cache.reset()
         self.seen = 0
+
+    def rewind(self, n: int) -> None:
+        """Forget the draft's rows from position n on, as if the verifier had seen only n positions:
+        the next `propose` takes aux states from there (a benchmark repeats one step this way)."""
+        if not 0 <= n <= self.seen:
+            raise ValueError(f"EAGLE proposer: rewind to {n}; expected 0..{self.seen} (the positions seen)")
+        self.seen = n
+        self.cache.truncate(n)
 
     def fused_step(self, step: FusedGreedyStep, last: int, proposals: list[int], vcache: KVCache) -> tuple[Verdict, Proposal, bool]:
         """Verify `proposals` after `last`, accept greedily and draft the next k with no trip to the
@@ -150,6 +160,9 @@ class NgramProposer:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def reset(self, max_len: int) -> None:
+        pass
+
+    def rewind(self, n: int) -> None:
         pass
 
     def propose(self, tokens: list[int], new_aux, k: int) -> Proposal:
