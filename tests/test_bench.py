@@ -86,6 +86,22 @@ def test_step_components_time_each_part_at_one_position(pair, fused):
         step_components(dec, [5] * (pair.context_length - 2), 4, repeats=1)
 
 
+def test_step_components_need_a_proposer_that_can_rewind(pair):
+    class Fixed:  # a Proposer of its own, written before rewind() was part of the protocol
+        name, needs_aux = "fixed", False
+
+        def reset(self, max_len):
+            pass
+
+        def propose(self, tokens, new_aux, k):
+            return wb.Proposal([tokens[-1]] * k)
+
+    dec = wb.SpecDecoder(pair, 2, proposer=Fixed())
+    assert len(dec.generate(PROMPTS[0], 6).tokens) == 6  # the engine itself never rewinds
+    with pytest.raises(ValueError, match="proposer Fixed has no rewind"):
+        step_components(dec, PROMPTS[0], 6, repeats=1)
+
+
 def test_bench_reports_the_components_when_asked(pair):
     r = run_bench(pair, PROMPTS[:1], k=2, max_new_tokens=10, peers=False, progress=False, components=2)
     c = r["components"]

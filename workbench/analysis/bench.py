@@ -101,6 +101,9 @@ def step_components(dec, prompt: str | list[int], max_new_tokens: int = 128, rep
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"step components: repeats = {repeats!r}; expected an integer >= 1")
     pair, k, att, prop = dec.pair, dec.k, dec.attention, dec.proposer
+    if dec.fused is None and not callable(getattr(prop, "rewind", None)):
+        raise ValueError(f"step components: the proposer {type(prop).__name__} has no rewind(n), which times "
+                         "its drafting again from one position; expected a workbench.Proposer with it")
     ar = wb.generate_autoregressive(pair, prompt, max_new_tokens, attention=att)
     seq = ar.prompt_tokens + ar.tokens[: max(0, len(ar.tokens) - 1) // 2]
     n = len(seq)
