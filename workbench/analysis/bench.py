@@ -107,7 +107,7 @@ def step_components(dec, prompt: str | list[int], max_new_tokens: int = 128, rep
     ar = wb.generate_autoregressive(pair, prompt, max_new_tokens, attention=att)
     seq = ar.prompt_tokens + ar.tokens[: max(0, len(ar.tokens) - 1) // 2]
     n = len(seq)
-    cache_len = min(pair.context_length, len(ar.prompt_tokens) + max_new_tokens + k + 1)  # as SpecDecoder.stream's
+    cache_len = dec.cache_rows(len(ar.prompt_tokens), max_new_tokens, pair.context_length)
     if n + k + 1 > cache_len:
         raise ValueError(f"step components: {n} positions leave no room to verify k = {k} proposals in a "
                          f"{cache_len}-row cache; expected a shorter prompt or more max_new_tokens")

@@ -151,13 +151,19 @@ class SpecDecoder:
         return _result(events, self._emitter, time.perf_counter() - t0, self.k)
 
     @torch.inference_mode()
+    def cache_rows(self, prompt_len: int, max_new_tokens: int, context: int) -> int:
+        """The verifier cache's rows for a request: room for a last step's k+1 tokens past the
+        budget, within the context (a compiled pair's graphs see these shapes, so a benchmark of the
+        parts of a step allocates the same)."""
+        return min(context, prompt_len + max_new_tokens + self.k + 1)
+
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
                max_len: int | None = None) -> Iterator[StepEvent]:
         """Yield one StepEvent per verifier forward: the prefill token first, then each spec step."""
         req = _validate_common(self.pair, prompt, max_new_tokens, stop, max_len)
         self.generator.manual_seed(self.seed)
         pair, k = self.pair, self.k
-        cache_len = min(req.max_len, len(req.prompt_ids) + max_new_tokens + k + 1)
+        cache_len = self.cache_rows(len(req.prompt_ids), max_new_tokens, req.max_len)
         cache = pair.verifier_cache(cache_len)
         self.proposer.reset(cache_len + k)  # room for a fused step's provisional draft rows past the context
         em = self._emitter = _Emitter(pair, req)
