@@ -390,6 +390,32 @@ def test_nan_logits_raise_a_clear_error(monkeypatch, at_call):
     assert dec.generate(good, max_new_tokens=8).tokens == autoregressive(pair, good, 8).tokens
 
 
+@pytest.mark.parametrize("proposer", ["eagle", "ngram"])
+def test_stream_runs_without_autograd_whatever_the_caller(embedded_pair, proposer):
+    """Called with grad enabled (a notebook, the chat), every forward still runs in inference mode,
+    as the autoregressive baseline's do: under autograd the verifier records a graph and routes its
+    experts through the training loop, and the bench compared speculation paying that against a
+    baseline that did not. Between events the caller's own mode is back."""
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: seen.append((name,
+                                                                                  torch.is_inference_mode_enabled())))
+             for name, model in (("verifier", embedded_pair.verifier), ("draft", embedded_pair.draft))
+             for m in model.modules()]
+    try:
+        assert torch.is_grad_enabled()
+        dec = wb.SpecDecoder(embedded_pair, 3, proposer=proposer)
+        modes = [torch.is_inference_mode_enabled() for _ in dec.stream(PROMPTS[0], max_new_tokens=12)]
+        ar = wb.generate_autoregressive(embedded_pair, PROMPTS[0], 12)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert not any(modes) and torch.is_grad_enabled()
+    calls = {name for name, _ in seen}
+    assert calls == ({"verifier"} if proposer == "ngram" else {"verifier", "draft"})
+    assert all(inference for _, inference in seen), [c for c in seen if not c[1]]
+    assert dec.generate(PROMPTS[0], 12).tokens == ar.tokens
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. Stats from the events.
 

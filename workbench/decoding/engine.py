@@ -157,9 +157,15 @@ class SpecDecoder:
         parts of a step allocates the same)."""
         return min(context, prompt_len + max_new_tokens + self.k + 1)
 
+    @torch.inference_mode()  # the caller's grad mode is its own: each resumption runs without autograd
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
                max_len: int | None = None) -> Iterator[StepEvent]:
-        """Yield one StepEvent per verifier forward: the prefill token first, then each spec step."""
+        """Yield one StepEvent per verifier forward: the prefill token first, then each spec step.
+
+        Runs in inference mode whatever the caller's grad mode (as generate_autoregressive does):
+        under autograd the verifier would record a graph and route its experts through the
+        training path, and speculation would be measured against a baseline that pays neither.
+        """
         req = _validate_common(self.pair, prompt, max_new_tokens, stop, max_len)
         self.generator.manual_seed(self.seed)
         pair, k = self.pair, self.k
