@@ -1,13 +1,15 @@
 """`workbench bench`: the report's figures come from the runs, and a divergence is judged by the reference's own logits."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import workbench as wb
 from conftest import make_random_pair
 from workbench.analysis.bench import divergence, run_bench, step_components, step_cost, tie_tolerance
-from workbench.cli import _bench_text
+from workbench.cli import _bench_text, default_dtype
 
 PROMPTS = ["def parse(text):\n    ", "class Stack:\n    def push(self, x):\n        "]
 
@@ -44,6 +46,12 @@ def test_report_pools_the_runs_it_made(pair):
     assert c["tokens_per_step"] == pytest.approx((spec_tokens - n) / r["spec_steps"]) and 1 <= c["tokens_per_step"] <= 3
     assert c["decode_speedup"] <= c["speedup_if_all_accepted"] == pytest.approx(3 / c["decodes_per_step"])
     text = _bench_text(r)  # `workbench bench` without --json
+    m = r["machine"]  # what the figures were measured on, read from this machine
+    assert m["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability() and m["cores"] == os.cpu_count()
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    assert m["fast_bf16"] == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    assert default_dtype("cpu") == ("bfloat16" if m["fast_bf16"] else "float32") and default_dtype("cuda") == "bfloat16"
+    assert f"({m['cores']} cores, {m['torch_cpu_capability']}, fast bf16: {m['fast_bf16']})" in text.splitlines()[1]
     assert f"a step costs {c['decodes_per_step']:.2f} decodes" in text and f"at most {3 / c['decodes_per_step']:.2f}x" in text
 
 

@@ -16,18 +16,13 @@ REPO = Path(__file__).resolve().parent.parent
 APPS = REPO / "apps"
 
 
-def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def default_dtype(device: str) -> str:
+    """bf16 on CUDA and on CPUs with native bf16 arithmetic; fp32 elsewhere (AVX2 has no bf16 FMA)."""
     if device.startswith("cuda"):
         return "bfloat16"
-    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+    from workbench.analysis.bench import machine
+
+    return "bfloat16" if machine()["fast_bf16"] else "float32"
 
 
 def _pair_args(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -> None:
@@ -125,8 +120,11 @@ def cmd_bench(args) -> int:
 
 
 def _bench_text(r: dict) -> str:
+    m = r["machine"]
     lines = [f"k={r['k']} dtype={r['dtype']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']} "
              f"threads={r['threads']} compiled={r['compiled']} fused={r['fused']} (warm-up {r['warmup_s']:.1f} s, untimed)",
+             f"on {m['cpu'] or 'an unknown CPU'} ({m['cores']} cores, {m['torch_cpu_capability']}, "
+             f"fast bf16: {m['fast_bf16']}), torch {m['torch']}",
              f"accept length {r['accept_length']:.3f}  per-position {[round(x, 3) for x in r['per_position_acceptance']]}",
              f"speculative {r['spec_tokens_per_s']:.1f} tok/s  autoregressive {r['ar_tokens_per_s']:.1f} tok/s  "
              f"speedup {r['speedup']:.2f}x (median per prompt {r['speedup_median']:.2f}x)",
