@@ -67,11 +67,14 @@ def test_a_long_prompt_keeps_the_draft_chain_compiled(pairs):
     want = wb.generate_autoregressive(eager, prompt, 24).tokens
     dec = wb.SpecDecoder(compiled, 3, fused=False)
     dec.generate(PROMPTS[0], 8)
-    before = dict(compiled.draft.greedy_chain.calls)
-    out = dec.generate(prompt, 24)
+    before, verifier_before = dict(compiled.draft.greedy_chain.calls), dict(compiled.verifier.forward.calls)
+    out = dec.generate(prompt, 24)  # called with grad enabled, as the bench and the chat call it
     steps = sum(e.kind == "spec" for e in out.events)
     calls = compiled.draft.greedy_chain.calls
     assert calls["eager"] == before["eager"] and calls["compiled"] == before["compiled"] + steps
+    # the prefill eagerly, every step's verify through the graph (a graph runs only without grad)
+    verifier_calls = compiled.verifier.forward.calls
+    assert verifier_calls == {"eager": verifier_before["eager"] + 1, "compiled": verifier_before["compiled"] + steps}
     assert out.tokens == want
     fused = wb.SpecDecoder(compiled, 3)  # fused: one call of its graph per step, and one for the prompt's last position
     before, fused_before = dict(compiled.draft.greedy_chain.calls), fused.fused.calls
