@@ -20,7 +20,7 @@ def default_dtype(device: str) -> str:
     """bf16 on CUDA and on CPUs with native bf16 arithmetic; fp32 elsewhere (AVX2 has no bf16 FMA)."""
     if device.startswith("cuda"):
         return "bfloat16"
-    from workbench.analysis.bench import machine
+    from workbench.machine import machine
 
     return "bfloat16" if machine()["fast_bf16"] else "float32"
 

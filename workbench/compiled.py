@@ -59,7 +59,7 @@ import torch.fx.experimental._config as fx_config
 
 from workbench.models.mla import ABSORB_MAX_TOKENS
 
-__all__ = ["CompiledForward", "compile_function", "compile_model", "is_compiled"]
+__all__ = ["CompiledForward", "compile_function", "compile_model", "gemm_backends", "is_compiled"]
 
 
 # What our graphs compile with. `freezing` must be set while inductor compiles (torch.compile's
@@ -76,10 +76,21 @@ _inside = threading.local()
 _patches: list[contextlib.ExitStack] = []
 
 
+def gemm_backends(dtype: torch.dtype) -> str:
+    """Where a graph's matmuls come from: inductor's C++ GEMMs (module docstring), except bf16 on
+    a CPU without native bf16 arithmetic. There (AVX2, no AVX-512) the C++ GEMM template offers no
+    bf16 kernel at all and the compile fails ("NoValidChoicesError"), so those graphs call ATen's
+    matmuls; the 1-row and 4-row logits still agree bit for bit (tests/test_compiled.py)."""
+    from workbench.machine import machine
+
+    return "ATEN" if dtype == torch.bfloat16 and not machine()["fast_bf16"] else "CPP"
+
+
 def _on_compile_start(_args=None) -> None:
     if getattr(_inside, "active", False):
         stack = contextlib.ExitStack()
-        stack.enter_context(torch._inductor.config.patch(_SETTINGS[0]))
+        stack.enter_context(torch._inductor.config.patch(
+            {**_SETTINGS[0], "max_autotune_gemm_backends": getattr(_inside, "backends", "CPP")}))
         stack.enter_context(fx_config.patch(_SETTINGS[1]))
         stack.enter_context(torch._dynamo.config.patch(_SETTINGS[2]))
         _patches.append(stack)
@@ -132,6 +143,7 @@ class CompiledForward:
         # and dynamo keeps its graphs per code object: a second pair of the same shapes would run
         # the first one's frozen weights. So each wrapper compiles its own copy of the code.
         self.compiled = _compile(types.MethodType(_own_function(fn.__func__), fn.__self__))
+        self.backends = gemm_backends(next(fn.__self__.parameters()).dtype)
         self.calls = {"compiled": 0, "eager": 0}
 
     def usable(self, args: dict) -> bool:
@@ -153,7 +165,7 @@ class CompiledForward:
         # specialising T = 1 (size-oblivious shapes, no duck sizing). The model's own code uses
         # reductions where a matmul's kernel would depend on T (models/mla.py).
         keep = bound.arguments.pop("logits_to_keep", 0)
-        _inside.active = True  # dynamo, if it compiles during this call, applies _SETTINGS
+        _inside.active, _inside.backends = True, self.backends  # dynamo, if it compiles during this call, applies _SETTINGS
         try:
             out = self.compiled(**bound.arguments)
         finally:
@@ -163,20 +175,22 @@ class CompiledForward:
         return out
 
 
-def compile_function(fn):
+def compile_function(fn, dtype: torch.dtype = torch.float32):
     """torch.compile a plain function of models and caches, as CompiledForward compiles a forward.
 
     For a step that spans more than one model call (`workbench.decoding.fused`). Each call of this
     compiles its own copy of `fn`'s code, so keep one per pair: module guards are skipped as in
     CompiledForward, so two pairs sharing a copy would run the first pair's frozen weights.
+    `dtype` is the models' (it picks the GEMMs, `gemm_backends`).
     """
     import torch._inductor.config  # noqa: F401  (as in CompiledForward)
 
     _register_callbacks()
     compiled = _compile(_own_function(fn))
+    backends = gemm_backends(dtype)
 
     def call(*args, **kwargs):
-        _inside.active = True  # dynamo, if it compiles during this call, applies _SETTINGS
+        _inside.active, _inside.backends = True, backends  # dynamo, if it compiles during this call, applies _SETTINGS
         try:
             return compiled(*args, **kwargs)
         finally:

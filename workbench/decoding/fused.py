@@ -80,7 +80,7 @@ class FusedGreedyStep:
         if compiled:
             from workbench.compiled import compile_function
 
-            self.fn = compile_function(accept_and_draft)
+            self.fn = compile_function(accept_and_draft, next(draft.parameters()).dtype)
 
     def draft_after(self, logits, aux, x: torch.Tensor, dcache: KVCache) -> FusedOutcome:
         """The second half alone: accept after the verifier's forward over x (its logits [T, V] and
