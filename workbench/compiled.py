@@ -63,13 +63,14 @@ __all__ = ["CompiledForward", "compile_function", "compile_model", "gemm_backend
 
 
 # What our graphs compile with. `freezing` must be set while inductor compiles (torch.compile's
-# `options` do not reach it); the CPP GEMM backend, the C++ wrapper and the shape settings are
-# compile-time choices too (module docstring). Floats are specialised: otherwise dynamo makes a
-# float of the frame a graph input, fails to keep it one and restarts the whole trace (103 of
-# 355 s of the embedded pair's warm-up). All of these are applied from dynamo's compile-start
-# callback, only for compiles inside a CompiledForward call: patching the configs around every
-# call instead cost ~60 us a call, a few percent of a decode step.
-_SETTINGS = ({"freezing": True, "cpp_wrapper": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"},
+# `options` do not reach it); the GEMM backend (per model dtype, `gemm_backends`), the C++
+# wrapper and the shape settings are compile-time choices too (module docstring). Floats are
+# specialised: otherwise dynamo makes a float of the frame a graph input, fails to keep it one
+# and restarts the whole trace (103 of 355 s of the embedded pair's warm-up). All of these are
+# applied from dynamo's compile-start callback, only for compiles inside a CompiledForward call:
+# patching the configs around every call instead cost ~60 us a call, a few percent of a decode
+# step.
+_SETTINGS = ({"freezing": True, "cpp_wrapper": True, "max_autotune": True},
              {"backed_size_oblivious": True, "use_duck_shape": False},
              {"specialize_float": True})
 _inside = threading.local()
@@ -89,8 +90,8 @@ def gemm_backends(dtype: torch.dtype) -> str:
 def _on_compile_start(_args=None) -> None:
     if getattr(_inside, "active", False):
         stack = contextlib.ExitStack()
-        stack.enter_context(torch._inductor.config.patch(
-            {**_SETTINGS[0], "max_autotune_gemm_backends": getattr(_inside, "backends", "CPP")}))
+        gemms = {"max_autotune_gemm_backends": _inside.backends}  # set with `active`, per model dtype
+        stack.enter_context(torch._inductor.config.patch({**_SETTINGS[0], **gemms}))
         stack.enter_context(fx_config.patch(_SETTINGS[1]))
         stack.enter_context(torch._dynamo.config.patch(_SETTINGS[2]))
         _patches.append(stack)
@@ -165,7 +166,8 @@ class CompiledForward:
         # specialising T = 1 (size-oblivious shapes, no duck sizing). The model's own code uses
         # reductions where a matmul's kernel would depend on T (models/mla.py).
         keep = bound.arguments.pop("logits_to_keep", 0)
-        _inside.active, _inside.backends = True, self.backends  # dynamo, if it compiles during this call, applies _SETTINGS
+        # dynamo, if it compiles during this call, applies _SETTINGS and this model's GEMM backend
+        _inside.active, _inside.backends = True, self.backends
         try:
             out = self.compiled(**bound.arguments)
         finally:
@@ -190,7 +192,8 @@ def compile_function(fn, dtype: torch.dtype = torch.float32):
     backends = gemm_backends(dtype)
 
     def call(*args, **kwargs):
-        _inside.active, _inside.backends = True, backends  # dynamo, if it compiles during this call, applies _SETTINGS
+        # dynamo, if it compiles during this call, applies _SETTINGS and the models' GEMM backend
+        _inside.active, _inside.backends = True, backends
         try:
             return compiled(*args, **kwargs)
         finally:

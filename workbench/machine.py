@@ -1,12 +1,14 @@
 """What CPU this is: the default dtype, the compiled GEMMs and every speed figure depend on it."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 import torch
 
 
+@functools.cache  # the CPU does not change under a process
 def cpu_info() -> tuple[str, set[str]]:
     """The CPU's model name and feature flags from /proc/cpuinfo (('', set()) where there is none)."""
     try:
