@@ -79,12 +79,14 @@ def test_step_components_time_each_part_at_one_position(pair, fused):
     c = step_components(dec, PROMPTS[1], 12, repeats=3)
     # half-way through the greedy continuation, every part timed on its own and against a decode
     assert (c["position"], c["repeats"], c["fused"]) == (len(ar.prompt_tokens) + (len(ar.tokens) - 1) // 2, 3, fused)
-    assert all(c[f"{p}_ms"] > 0 for p in ("decode", "verify", "draft", "step"))
-    for p in ("verify", "draft", "step"):
+    assert all(c[f"{p}_ms"] > 0 for p in ("decode", "verify", "draft", "step", "verify_then_draft"))
+    for p in ("verify", "draft", "step", "verify_then_draft"):
         assert c[f"{p}_decodes"] == pytest.approx(c[f"{p}_ms"] / c["decode_ms"])
     assert c["speedup_if_all_accepted"] == pytest.approx(3 / c["step_decodes"])
-    if fused:  # the draft prompt's pass, then each drafting call and each whole step ran the second half
-        assert dec.fused.calls - calls == 1 + 2 * 3
+    # fused: the draft prompt's pass, then each drafting call, each whole step and each back-to-back
+    # verify and drafting ran the second half
+    if fused:
+        assert dec.fused.calls - calls == 1 + 3 * 3
     assert dec.generate(PROMPTS[1], 12).tokens == before == ar.tokens  # the decoder is as it was
     with pytest.raises(ValueError, match="rewind to"):  # a proposer forgets only positions it has seen
         dec.proposer.rewind(dec.proposer.seen + 1)
@@ -117,6 +119,7 @@ def test_bench_reports_the_components_when_asked(pair):
     assert "components" not in run_bench(pair, PROMPTS[:1], k=2, max_new_tokens=4, peers=False, progress=False)
     assert (f"alone at position {c['position']} (medians of 2): a decode {c['decode_ms']:.2f} ms, a verify of 3"
             in _bench_text(r)) and f"at most {c['speedup_if_all_accepted']:.2f}x" in _bench_text(r).splitlines()[-1]
+    assert f"back to back {c['verify_then_draft_ms']:.2f} ms ({c['verify_then_draft_decodes']:.2f})" in _bench_text(r)
 
 
 def test_divergence_reads_the_autoregressive_runs_own_margin(pair):

@@ -139,7 +139,9 @@ def _bench_text(r: dict) -> str:
         lines.append(f"alone at position {p['position']} (medians of {p['repeats']}): a decode {p['decode_ms']:.2f} ms, "
                      f"a verify of {r['k'] + 1} {p['verify_ms']:.2f} ms ({p['verify_decodes']:.2f} decodes), drafting "
                      f"{p['draft_ms']:.2f} ms ({p['draft_decodes']:.2f}), a step {p['step_ms']:.2f} ms "
-                     f"({p['step_decodes']:.2f}): at most {p['speedup_if_all_accepted']:.2f}x")
+                     f"({p['step_decodes']:.2f}): at most {p['speedup_if_all_accepted']:.2f}x; "
+                     f"verify then drafting, back to back {p['verify_then_draft_ms']:.2f} ms "
+                     f"({p['verify_then_draft_decodes']:.2f})")
     for name, peer in r.get("peers", {}).items():
         lines.append(f"peer {name}: {peer.get('tokens_per_s', float('nan')):.1f} tok/s; ours/peer "
                      f"{peer.get('ours_over_peer', float('nan')):.2f}x {peer.get('note', '')}")

@@ -96,6 +96,11 @@ def step_components(dec, prompt: str | list[int], max_new_tokens: int = 128, rep
     sees the same rows. Fused (`dec.fused`), drafting is the step's second half
     (`FusedGreedyStep.draft_after`: the greedy acceptance and the k draft passes); unfused, it is the
     proposer's `propose` and the step adds the host's acceptance.
+
+    `verify_then_draft` calls the two parts back to back, as a step does, with none of the
+    step's host work: when a step costs more than the parts alone add up to, it tells the
+    host's glue (step above it) from the models costing more when they alternate (it above
+    the sum: each call finds its weights evicted from the caches by the other model's).
     """
     import workbench as wb
 
@@ -167,9 +172,15 @@ def step_components(dec, prompt: str | list[int], max_new_tokens: int = 128, rep
                 dec.acceptor.verify(proposals, dq, o.logits[0], dec.params, dec.generator)
                 vcache.truncate(n)
 
+        def verify_then_draft():
+            verify()
+            draft()
+
         t = {name: median_ms(fn) for name, fn in
-             (("decode_ms", decode), ("verify_ms", verify), ("draft_ms", draft), ("step_ms", step))}
-    per = {f"{name[:-3]}_decodes": t[name] / t["decode_ms"] for name in ("verify_ms", "draft_ms", "step_ms")}
+             (("decode_ms", decode), ("verify_ms", verify), ("draft_ms", draft), ("step_ms", step),
+              ("verify_then_draft_ms", verify_then_draft))}
+    per = {f"{name[:-3]}_decodes": t[name] / t["decode_ms"]
+           for name in ("verify_ms", "draft_ms", "step_ms", "verify_then_draft_ms")}
     return {"position": n, "repeats": repeats, "fused": dec.fused is not None, **t, **per,
             "speedup_if_all_accepted": (k + 1) / per["step_decodes"]}
 
