@@ -1,6 +1,7 @@
 """`workbench bench`: the report's figures come from the runs, and a divergence is judged by the reference's own logits."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -142,3 +143,24 @@ def test_tie_tolerance_is_a_few_units_in_the_last_place():
     assert tie_tolerance(8.0, torch.bfloat16) == 4 * 8.0 / 256
     assert tie_tolerance(0.1, torch.bfloat16) == 4 / 256  # never below the rounding of 1.0
     assert tie_tolerance(8.0, torch.float32) == 4 * 8.0 * 2.0 ** -23
+
+
+def test_cli_bench_runs_on_the_threads_asked(pair, tmp_path, capsys):
+    """`workbench bench --threads N` sets torch's intra-op threads before anything runs (compiled
+    graphs keep the count they were generated with) and the report says so; N < 1 is an error."""
+    from workbench.cli import main
+
+    verifier, draft = make_random_pair(tmp_path, seed=5, layers=2, aux_layer_ids=(0, 1, 1))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:1]))
+    common = ["bench", "--verifier", str(verifier), "--draft", str(draft), "--dtype", "float32",
+              "--prompts", str(prompts), "--k", "2", "--max-new-tokens", "4", "--no-peers", "--json"]
+    before = torch.get_num_threads()
+    try:
+        assert main(common + ["--threads", "1"]) == 0
+        assert json.loads(capsys.readouterr().out)["threads"] == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert main(common + ["--threads", "0"]) == 2
+    assert "--threads = 0; expected an integer >= 1" in capsys.readouterr().err
+    assert torch.get_num_threads() == before

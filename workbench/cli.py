@@ -109,6 +109,12 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
 def cmd_bench(args) -> int:
     from workbench.analysis.bench import run_bench
 
+    if args.threads is not None:  # before anything compiles: inductor's C++ keeps the count it was generated with
+        import torch
+
+        if args.threads < 1:
+            raise ValueError(f"--threads = {args.threads}; expected an integer >= 1 (torch's intra-op threads)")
+        torch.set_num_threads(args.threads)
     pair = _load(args)
     prompts = read_prompts(args.prompts, args.limit)
     report = run_bench(pair, prompts, k=args.k, max_new_tokens=args.max_new_tokens, attention=args.attention,
@@ -253,7 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
     p.add_argument("--peer-prompts", type=int, default=8, help="prompts timed with transformers (slow)")
     p.add_argument("--components", type=int, default=0, metavar="N",
-                   help="also time a step's parts alone (decode, verify, drafting, the step), N calls each")
+                   help="also time a step's parts alone (decode, verify, drafting, the step, verify then "
+                        "drafting back to back), N calls each")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch's intra-op threads for both methods (default: torch's own choice)")
     _fused_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_bench)
