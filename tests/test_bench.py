@@ -150,10 +150,9 @@ def test_cli_bench_runs_on_the_threads_asked(pair, tmp_path, capsys):
     graphs keep the count they were generated with) and the report says so; N < 1 is an error."""
     from workbench.cli import main
 
-    verifier, draft = make_random_pair(tmp_path, seed=5, layers=2, aux_layer_ids=(0, 1, 1))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:1]))
-    common = ["bench", "--verifier", str(verifier), "--draft", str(draft), "--dtype", "float32",
+    common = ["bench", "--verifier", pair.verifier_dir, "--draft", pair.draft_dir, "--dtype", "float32",
               "--prompts", str(prompts), "--k", "2", "--max-new-tokens", "4", "--no-peers", "--json"]
     before = torch.get_num_threads()
     try:
