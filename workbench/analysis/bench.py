@@ -100,7 +100,7 @@ def step_components(dec, prompt: str | list[int], max_new_tokens: int = 128, rep
     `verify_then_draft` calls the two parts back to back, as a step does, with none of the
     step's host work: when a step costs more than the parts alone add up to, it tells the
     host's glue (step above it) from the models costing more when they alternate (it above
-    the sum: each call finds its weights evicted from the caches by the other model's).
+    the sum: likely each call finding its weights evicted from the caches by the other model's).
     """
     import workbench as wb
 
