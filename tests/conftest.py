@@ -13,7 +13,15 @@ try:
 except ImportError:  # pragma: no cover
     pass
 
+import atexit
 import shutil
+import tempfile
+
+# Inductor's on-disk graph cache, fresh for each test session: the compiled tests count its hits
+# and misses from a cold start, and neither a user's cache nor an earlier run's may serve them.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="workbench-tests-inductor-")
+atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
 from pathlib import Path
 
 import pytest

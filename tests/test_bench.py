@@ -33,6 +33,7 @@ def test_report_pools_the_runs_it_made(pair):
     assert r["speedup"] == pytest.approx(spec / ar)
     assert r["lossless"] and r["identical"] and r["ties"] == []  # fp32 greedy: exact
     assert len(r["per_position_acceptance"]) == 2 and r["warmup_s"] > 0
+    assert r["graph_cache"] == {"hits": 0, "misses": 0, "bypasses": 0}  # an eager pair compiles nothing
     assert r["spec_steps"] == sum(sum(e.kind == "spec" for e in x.events) for x in runs)
     # the time split covers the speculative runs: steps (draft + verify) and prefills, a little Python besides
     split = r["draft_time_s"] + r["verify_time_s"] + r["prefill_time_s"]

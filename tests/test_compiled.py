@@ -30,6 +30,12 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def _cache_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
+
+
 def test_compiled_tokens_equal_eager_and_lossless(pairs):
     eager, compiled = pairs
     assert is_compiled(compiled.verifier) and is_compiled(compiled.draft) and not eager.compiled
@@ -194,6 +200,7 @@ def test_two_compiled_pairs_of_one_shape_keep_their_own_weights(pairs, tmp_path)
     other_eager = wb.load_pair(vdir, ddir, dtype="float32")
     other = wb.load_pair(vdir, ddir, dtype="float32").compile()
     seen = []  # the settings each compile ran under (workbench.compiled applies them at compile start)
+    hits_before = _cache_counts()["fxgraph_cache_hit"]
     record = callback_handler.register_start_callback(lambda *_: seen.append(
         (inductor_config.freezing, inductor_config.cpp_wrapper, inductor_config.max_autotune,
          fx_config.backed_size_oblivious, fx_config.use_duck_shape, torch._dynamo.config.specialize_float,
@@ -203,6 +210,8 @@ def test_two_compiled_pairs_of_one_shape_keep_their_own_weights(pairs, tmp_path)
     finally:
         callback_handler.remove_start_callback(record)
     assert len(seen) >= 2 and set(seen) == {(True, True, True, True, False, True, "CPP")}, seen  # fp32: C++ GEMMs
+    # inductor's graph cache keys frozen weights by shape alone: the weights' digest keeps them apart
+    assert _cache_counts()["fxgraph_cache_hit"] == hits_before
     assert not inductor_config.freezing and not fx_config.backed_size_oblivious  # nothing leaks past a call
     assert not torch._dynamo.config.specialize_float
     for prompt in PROMPTS:
@@ -227,3 +236,46 @@ def test_a_compile_leaves_the_heap_frozen():
     x = torch.arange(6.0)
     assert torch.equal(compile_function(lambda t: t * 2 + 1)(x), x * 2 + 1)
     assert gc.get_freeze_count() > 10_000
+
+
+def test_a_second_start_loads_its_graphs_from_inductors_cache(pairs):
+    """The same checkpoints compiled again (as in a new process: new code objects, so dynamo traces
+    anew) take every graph from inductor's on-disk cache, oneDNN-packed weights and all, and
+    decode exactly as before."""
+    from workbench.analysis.bench import run_bench
+    from workbench.cli import _bench_text
+
+    eager, compiled = pairs
+    wb.SpecDecoder(compiled, 3).generate(PROMPTS[0], 8)  # the first copy's graphs are compiled (and stored)
+    before = _cache_counts()
+    again = wb.load_pair(compiled.verifier_dir, compiled.draft_dir, dtype="float32").compile()
+    report = run_bench(again, PROMPTS, k=3, max_new_tokens=12, peers=False, progress=False)  # its warm-up compiles
+    assert report["graph_cache"]["hits"] >= 2, report["graph_cache"]  # the verifier's graph, the fused step's
+    assert report["graph_cache"]["misses"] == report["graph_cache"]["bypasses"] == 0
+    assert "graphs: " in _bench_text(report) and report["lossless"]
+    spec = wb.SpecDecoder(again, 3).generate(PROMPTS[1], 24).tokens
+    assert _cache_counts()["fxgraph_cache_miss"] == before["fxgraph_cache_miss"]
+    assert again.verifier.forward.calls["compiled"] > 0
+    want = wb.generate_autoregressive(eager, PROMPTS[1], 24).tokens
+    assert spec == want and wb.generate_autoregressive(again, PROMPTS[1], 24).tokens == want
+
+
+def test_weights_digest_covers_every_tensor_a_graph_freezes(pairs, tmp_path):
+    """What keys our graphs in inductor's cache: parameters, buffers, RoPE's plain tensor of
+    frequencies, and the embedding and lm_head a draft borrows from its verifier."""
+    from workbench.compiled import weights_digest
+
+    eager, _ = pairs
+    again = wb.load_pair(eager.verifier_dir, eager.draft_dir, dtype="float32")
+    v, d = weights_digest(eager.verifier), weights_digest(eager.draft)
+    assert weights_digest(again.verifier) == v and weights_digest(again.draft) == d and v != d
+    rotary = again.verifier.model.layers[0].self_attn.rotary
+    with torch.no_grad():
+        for tensor, moves in ((again.verifier.lm_head.weight, (True, True)), (rotary.inv_freq, (True, False)),
+                              (again.verifier.model.layers[1].mlp.gate.e_score_correction_bias, (True, False)),
+                              (again.draft.fc.weight, (False, True))):
+            old = tensor.view(-1)[0].clone()
+            tensor.view(-1)[0] += 1.0
+            assert (weights_digest(again.verifier) != v, weights_digest(again.draft) != d) == moves, tensor.shape
+            tensor.view(-1)[0] = old
+    assert (weights_digest(again.verifier), weights_digest(again.draft)) == (v, d)

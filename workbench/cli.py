@@ -128,7 +128,9 @@ def cmd_bench(args) -> int:
 def _bench_text(r: dict) -> str:
     m = r["machine"]
     lines = [f"k={r['k']} dtype={r['dtype']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']} "
-             f"threads={r['threads']} compiled={r['compiled']} fused={r['fused']} (warm-up {r['warmup_s']:.1f} s, untimed)",
+             f"threads={r['threads']} compiled={r['compiled']} fused={r['fused']} (warm-up {r['warmup_s']:.1f} s, untimed"
+             + (", graphs: {hits} from inductor's cache, {misses} compiled, {bypasses} not cacheable".format(**r["graph_cache"])
+                if r["compiled"] else "") + ")",
              f"on {m['cpu'] or 'an unknown CPU'} ({m['cores']} cores, {m['torch_cpu_capability']}, "
              f"fast bf16: {m['fast_bf16']}), torch {m['torch']}",
              f"accept length {r['accept_length']:.3f}  per-position {[round(x, 3) for x in r['per_position_acceptance']]}",

@@ -30,13 +30,22 @@ weights prepacked for the batch size of a graph's first call; the CPP GEMMs have
 compiled 1-token-first on the embedded pair, 1-row and 4-row verifier logits were identical on
 all 576 rows checked (12 prompts x 48 tokens). Compiled and eager bf16 round differently from
 each other: compare like with like.
-Every process compiles these graphs again (minutes on a 2-core CPU for the embedded pair):
-inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`) cannot hold them whole (it refuses graphs
-with oneDNN-packed weights, which cannot be pickled), and the generated C++ carries a comment
-with each frozen weight's id-based hash, so even the C++ compiles afresh. Of a 355 s warm-up
-of the embedded pair (dynamo's compile times, before floats were specialised, see _SETTINGS), a
-trace that dynamo threw away and restarted took 103 s, code generation 81 s and C++ compilation
-89 s.
+Inductor's on-disk graph cache (`TORCHINDUCTOR_CACHE_DIR`) keeps the compiled graphs, so only a
+machine's first start with a pair pays the whole compile. The embedded pair, 2 cores: the first
+`SpecDecoder` generation of a process took 307 s with an empty cache and 71-80 s with a warm one
+(fp32, AVX2); the bench's warm-up, 287 s and then 68 s in a second process, the same tokens
+(bf16, AVX512-BF16). Dynamo still traces and freezes every graph; inductor's lowering, code
+generation and C++ compilation are what the cache saves. Two things stood in its way, and `_graph_cache_key`
+and `_cacheable_onednn_weights` remove them for our compiles only:
+- Inductor refused every graph holding oneDNN-packed weights (freezing packs each linear's weight
+  so, before the C++ GEMMs repack it), as such tensors cannot be pickled. With freezing, the cache
+  never pickles frozen weights: it stores their names and takes their values from the graph being
+  compiled on a hit, so such a weight needs only a cache key, its shape and dtype.
+- The cache keys frozen weights by shape and dtype alone, while the C++ GEMMs' packed copies of
+  them are stored in the entry: another checkpoint of the same shapes would run this one's weights.
+  A digest of every tensor the models hold (`weights_digest`) therefore joins each graph's key.
+The cache unpickles its entries as it loads the C++ it compiled: files this machine's torch wrote,
+not weights from elsewhere. `TORCHINDUCTOR_FX_GRAPH_CACHE=0` turns it off.
 
 After each of our compiles the garbage collector is told to leave the objects alive then alone
 (`_freeze_heap`): otherwise its full collections walk the compiler's heap during decoding.
@@ -50,6 +59,7 @@ import atexit
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import inspect
 import threading
 import types
@@ -59,7 +69,7 @@ import torch.fx.experimental._config as fx_config
 
 from workbench.models.mla import ABSORB_MAX_TOKENS
 
-__all__ = ["CompiledForward", "compile_function", "compile_model", "gemm_backends", "is_compiled"]
+__all__ = ["CompiledForward", "compile_function", "compile_model", "gemm_backends", "is_compiled", "weights_digest"]
 
 
 # What our graphs compile with. `freezing` must be set while inductor compiles (torch.compile's
@@ -90,8 +100,10 @@ def gemm_backends(dtype: torch.dtype) -> str:
 def _on_compile_start(_args=None) -> None:
     if getattr(_inside, "active", False):
         stack = contextlib.ExitStack()
-        gemms = {"max_autotune_gemm_backends": _inside.backends}  # set with `active`, per model dtype
-        stack.enter_context(torch._inductor.config.patch({**_SETTINGS[0], **gemms}))
+        # set with `active`: the models' GEMM backend (per dtype) and their weights (module docstring)
+        per_call = {"max_autotune_gemm_backends": _inside.backends,
+                    "post_grad_custom_pre_pass": _graph_cache_key(weights_digest(*_inside.models))}
+        stack.enter_context(torch._inductor.config.patch({**_SETTINGS[0], **per_call}))
         stack.enter_context(fx_config.patch(_SETTINGS[1]))
         stack.enter_context(torch._dynamo.config.patch(_SETTINGS[2]))
         _patches.append(stack)
@@ -120,8 +132,85 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+def weights_digest(*models: torch.nn.Module) -> str:
+    """A digest of every tensor that compiled graphs of `models` may freeze into constants.
+
+    Parameters, buffers, plain tensor attributes (RoPE's frequencies) and the modules a draft
+    borrows from its verifier (its embedding and lm_head): names, dtypes, shapes and bytes.
+    """
+    h = hashlib.blake2b(digest_size=20)
+    seen: set[int] = set()
+    for top in models:
+        for owner in (top, *getattr(top, "_shared", {}).values()):
+            for name, module in owner.named_modules():
+                if id(module) in seen:
+                    continue
+                seen.add(id(module))
+                tensors = {**module._parameters, **module._buffers,
+                           **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
+                for attr in sorted(tensors):
+                    t = tensors[attr]
+                    if t is None:
+                        continue
+                    h.update(f"{name}.{attr}:{t.dtype}:{tuple(t.shape)};".encode())
+                    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _graph_cache_key(digest: str):
+    """A post-grad pass that changes nothing: inductor puts a custom pass's `uuid()` in each
+    graph's cache key, which is how the weights' digest gets there (module docstring)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class WeightsKey(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            pass
+
+        def uuid(self) -> str:
+            return f"workbench weights {digest}"
+
+    return WeightsKey()
+
+
+def _cacheable_onednn_weights() -> None:
+    """Let inductor's graph cache hold our graphs' frozen oneDNN-packed weights (module docstring).
+
+    Only while one of our compiles runs (`_inside.active`), whose keys carry the weights' digest;
+    any other compile in the process keeps inductor's own rules. On a torch without these
+    internals nothing changes: such graphs are then compiled afresh in every process, as before.
+    """
+    try:
+        from torch._inductor import codecache
+        from torch._inductor.freezing_utils import is_frozen_param
+
+        validator, pickler, ident = codecache.CacheabilityValidator, codecache.FxGraphCachePickler, codecache._ident
+        check, reduce = validator.check_tensor, pickler._reduce_tensor
+    except (ImportError, AttributeError):
+        return
+    if getattr(check, "workbench", False):
+        return
+
+    def ours(t: torch.Tensor) -> bool:
+        return getattr(_inside, "active", False) and t.is_mkldnn and is_frozen_param(t)
+
+    def check_tensor(t: torch.Tensor) -> None:
+        if not ours(t):
+            check(t)
+
+    def reduce_tensor(self, t: torch.Tensor):
+        if ours(t):  # keyed like any frozen weight, by its metadata; its values are in the digest
+            return ident, (("frozen oneDNN weight", tuple(t.shape), str(t.dtype)),)
+        return reduce(self, t)
+
+    check_tensor.workbench = True
+    validator.check_tensor = staticmethod(check_tensor)
+    pickler._reduce_tensor = reduce_tensor
+
+
 def _register_callbacks() -> None:
     from torch._dynamo.callback import callback_handler
+
+    _cacheable_onednn_weights()
 
     if _on_compile_start not in callback_handler.start_callbacks:
         callback_handler.register_start_callback(_on_compile_start)
@@ -166,8 +255,8 @@ class CompiledForward:
         # specialising T = 1 (size-oblivious shapes, no duck sizing). The model's own code uses
         # reductions where a matmul's kernel would depend on T (models/mla.py).
         keep = bound.arguments.pop("logits_to_keep", 0)
-        # dynamo, if it compiles during this call, applies _SETTINGS and this model's GEMM backend
-        _inside.active, _inside.backends = True, self.backends
+        # dynamo, if it compiles during this call, applies _SETTINGS, this model's GEMM backend and its weights' digest
+        _inside.active, _inside.backends, _inside.models = True, self.backends, (self.eager.__self__,)
         try:
             out = self.compiled(**bound.arguments)
         finally:
@@ -180,7 +269,8 @@ class CompiledForward:
 def compile_function(fn, dtype: torch.dtype = torch.float32):
     """torch.compile a plain function of models and caches, as CompiledForward compiles a forward.
 
-    For a step that spans more than one model call (`workbench.decoding.fused`). Each call of this
+    For a step that spans more than one model call (`workbench.decoding.fused`); `fn` takes its
+    models as arguments (their weights key its graphs in inductor's cache). Each call of this
     compiles its own copy of `fn`'s code, so keep one per pair: module guards are skipped as in
     CompiledForward, so two pairs sharing a copy would run the first pair's frozen weights.
     `dtype` is the models' (it picks the GEMMs, `gemm_backends`).
@@ -192,8 +282,10 @@ def compile_function(fn, dtype: torch.dtype = torch.float32):
     backends = gemm_backends(dtype)
 
     def call(*args, **kwargs):
-        # dynamo, if it compiles during this call, applies _SETTINGS and the models' GEMM backend
-        _inside.active, _inside.backends = True, backends
+        # dynamo, if it compiles during this call, applies _SETTINGS, the models' GEMM backend and
+        # their weights' digest; the models are the arguments that are modules
+        models = tuple(a for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.Module))
+        _inside.active, _inside.backends, _inside.models = True, backends, models
         try:
             return compiled(*args, **kwargs)
         finally:

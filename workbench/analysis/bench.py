@@ -191,6 +191,16 @@ def _timed(fn):
     return out, time.perf_counter() - t
 
 
+def _graph_cache_counts() -> dict[str, int]:
+    """Inductor's on-disk graph cache so far in this process: graphs loaded (hits), compiled and
+    stored (misses), compiled and not storable (bypasses). A warm-up's length depends on them."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {"hits": inductor["fxgraph_cache_hit"], "misses": inductor["fxgraph_cache_miss"],
+            "bypasses": inductor["fxgraph_cache_bypass"]}
+
+
 def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, attention: str = "auto",
               peers: bool = True, peer_prompts: int = 8, repeats: int = 1, progress: bool = True,
               fused: bool | None = None, components: int = 0) -> dict:
@@ -202,7 +212,9 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     ar_fn = lambda p: wb.generate_autoregressive(pair, p, max_new_tokens, attention=attention)  # noqa: E731
     # Warm-up, outside the timing: with a compiled pair this is where every graph compiles
     # (verify and draft steps of 1 and of several tokens both occur within 32 tokens).
+    cache_before = _graph_cache_counts()
     _, warmup_s = _timed(lambda: (dec.generate(prompts[0], max_new_tokens=32), ar_fn(prompts[0])))
+    graph_cache = {k: v - cache_before[k] for k, v in _graph_cache_counts().items()}
     spec_events, spec_tok, spec_t, ar_tok, ar_t, ratios, ties, per_prompt = [], 0, 0.0, 0, 0.0, [], [], []
     ar_prefill_t = 0.0
     bar = _bar(len(prompts), "bench", progress)
@@ -232,7 +244,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
         "k": k, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(pair.dtype).replace("torch.", ""),
         "device": str(pair.device), "machine": machine(), "attention": dec.attention,
         "threads": torch.get_num_threads(), "repeats": repeats,
-        "compiled": pair.compiled, "fused": dec.fused is not None, "warmup_s": warmup_s,
+        "compiled": pair.compiled, "fused": dec.fused is not None, "warmup_s": warmup_s, "graph_cache": graph_cache,
         "verifier": pair.verifier_dir, "draft": pair.draft_dir,
         "accept_length": stats.accept_length, "per_position_acceptance": stats.per_position_acceptance,
         "conditional_acceptance": stats.conditional_acceptance,

@@ -144,8 +144,14 @@ class Eagle3Draft(nn.Module):
         return KVCache(1, self.config.cache_row, max_len, batch, p.dtype, p.device, name="draft cache")
 
     def combine_hidden_states(self, aux: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
-        """fc over concat(h_lo, h_mid, h_hi): [B, T, 3H] -> [B, T, H]."""
-        return self.fc(torch.cat(list(aux), dim=-1).to(self.fc.weight.dtype))  # the draft may run in its own dtype
+        """fc over concat(h_lo, h_mid, h_hi): [B, T, 3H] -> [B, T, H].
+
+        Each state is viewed at the configured width first: traced with dynamic shapes, the
+        inputs' widths are symbols, and inductor's C++ GEMM takes only a known reduction width
+        (otherwise fc alone fell back to oneDNN's linear)."""
+        width = self.config.target_hidden_size
+        x = torch.cat([h.reshape(*h.shape[:-1], width) for h in aux], dim=-1)
+        return self.fc(x.to(self.fc.weight.dtype))  # the draft may run in its own dtype
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache | None = None,
                 positions: torch.Tensor | None = None, path: str = "auto",
