@@ -391,16 +391,20 @@ def test_nan_logits_raise_a_clear_error(monkeypatch, at_call):
 
 
 @pytest.mark.parametrize("proposer", ["eagle", "ngram"])
-def test_stream_runs_without_autograd_whatever_the_caller(embedded_pair, proposer):
+def test_stream_runs_without_autograd_whatever_the_caller(embedded_pair, proposer, monkeypatch):
     """Called with grad enabled (a notebook, the chat), every forward still runs in inference mode,
     as the autoregressive baseline's do: under autograd the verifier records a graph and routes its
     experts through the training loop, and the bench compared speculation paying that against a
-    baseline that did not. Between events the caller's own mode is back."""
+    baseline that did not. Between events the caller's own mode is back. (The greedy chain may run
+    as one CPU-kernel call rather than through the draft's modules, so it is watched too.)"""
     seen = []
     hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: seen.append((name,
                                                                                   torch.is_inference_mode_enabled())))
              for name, model in (("verifier", embedded_pair.verifier), ("draft", embedded_pair.draft))
              for m in model.modules()]
+    chain = embedded_pair.draft.greedy_chain
+    monkeypatch.setattr(embedded_pair.draft, "greedy_chain", lambda *a, **kw: (
+        seen.append(("draft", torch.is_inference_mode_enabled())), chain(*a, **kw))[1])
     try:
         assert torch.is_grad_enabled()
         dec = wb.SpecDecoder(embedded_pair, 3, proposer=proposer)

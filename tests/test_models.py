@@ -235,9 +235,10 @@ def test_moe_inference_paths_equal_the_per_expert_loop(experts, top_k, dense):
     assert moe.dense_inference is dense
     for n in (1, 4, 40):
         x = torch.randn(n, 48, generator=torch.Generator().manual_seed(n))
-        weights, ids = moe.gate(x)
-        loop = moe._loop_experts(x, weights, ids) + moe.shared_experts(x)
-        assert max_diff(moe(x), loop) <= ATOL
+        with torch.enable_grad():  # the training path's own arithmetic (no CPU kernels under autograd)
+            weights, ids = moe.gate(x)
+            loop = (moe._loop_experts(x, weights, ids) + moe.shared_experts(x)).detach()
+        assert max_diff(moe(x), loop) <= ATOL  # n <= 16 on the CPU kernels where they build, 40 on torch's
         assert loop.abs().max() > 0.1
         with torch.enable_grad():
             assert torch.equal(moe(x), loop)  # training takes the loop itself

@@ -21,7 +21,7 @@ from workbench.decoding.events import GenerationResult, StepEvent
 from workbench.decoding.fused import FusedGreedyStep, fused_step_for
 from workbench.decoding.proposers import EagleProposer, NgramProposer, Proposer
 from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingError, SamplingParams, acceptor_for,
-                                         check_finite, next_token, nonfinite_error, probs_from_logits)
+                                         check_finite, next_token, nonfinite_error, shown_prob)
 
 MAX_K = 16
 
@@ -180,7 +180,7 @@ class SpecDecoder:
         logits = out.logits[0]
         check_finite(logits, "verifier logits at the prompt's last position")
         first = next_token(logits[-1], self.params, self.generator)
-        shown = _shown(logits[-1], self.params, first)
+        shown = shown_prob(logits[-1], self.params, first)
         piece = em.add(first)
         verified = req.prompt_ids + [first]
         aux = out.aux_hidden_states
@@ -240,11 +240,6 @@ class SpecDecoder:
                 draft_time=t_draft, verify_time=t_verify, finish_reason=em.finish)
 
 
-def _shown(logits: torch.Tensor, params: SamplingParams, token: int) -> float:
-    p = logits.float().softmax(-1) if params.greedy else probs_from_logits(logits, params)
-    return float(p[token])
-
-
 def _result(events: list[StepEvent], em: _Emitter, elapsed: float, k: int) -> GenerationResult:
     from workbench.analysis.metrics import compute_stats
 
@@ -275,7 +270,7 @@ def generate_autoregressive(pair, prompt: str | list[int], max_new_tokens: int =
         piece = em.add(tok)
         events.append(StepEvent(step=len(events), kind="prefill" if not events else "decode", emitted=[tok],
                                 emitted_text=[piece], emitted_status=["bonus"],
-                                emitted_verifier_probs=[_shown(logits, params, tok)],
+                                emitted_verifier_probs=[shown_prob(logits, params, tok)],
                                 position=cache.length, verify_time=time.perf_counter() - t, finish_reason=em.finish))
         x = torch.tensor([[tok]], device=pair.device)
     return _result(events, em, time.perf_counter() - t_start, 0)

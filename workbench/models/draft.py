@@ -14,12 +14,15 @@ Variants are bound once at construction or through plain attributes the doctor c
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workbench.cache import KVCache
 from workbench.config import DraftConfig
+from workbench.kernels import cpu
 from workbench.models.mla import MLAttention, causal_mask
 from workbench.models.moe import MLP
 from workbench.models.norm import RMSNorm
@@ -151,7 +154,7 @@ class Eagle3Draft(nn.Module):
         (otherwise fc alone fell back to oneDNN's linear)."""
         width = self.config.target_hidden_size
         x = torch.cat([h.reshape(*h.shape[:-1], width) for h in aux], dim=-1)
-        return self.fc(x.to(self.fc.weight.dtype))  # the draft may run in its own dtype
+        return cpu.project(self.fc, x.to(self.fc.weight.dtype))  # the draft may run in its own dtype
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache | None = None,
                 positions: torch.Tensor | None = None, path: str = "auto",
@@ -191,13 +194,59 @@ class Eagle3Draft(nn.Module):
     def compute_logits(self, post: torch.Tensor) -> torch.Tensor:
         """Logits over the verifier's vocabulary (draft-vocab logits scattered through d2t)."""
         head = self.part("lm_head")
-        logits = head(post.to(head.weight.dtype))
+        logits = cpu.project(head, post.to(head.weight.dtype))
         if self.config.draft_vocab_size == self.config.vocab_size:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         target = torch.arange(self.config.draft_vocab_size, device=logits.device) + self.d2t
         full[..., target] = logits
         return full
+
+    def _greedy_pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The argmax of draft-vocabulary logits [B, 1, V] as target ids [B, 1] and its softmax probability [B, 1]."""
+        if logits.shape[0] == 1 and cpu.serves(logits):  # one pass over the row (workbench.kernels.cpu)
+            mx, (d,), lse = cpu.row_stats(logits[0])
+            if hasattr(self, "d2t"):
+                d += cpu.derived(self, "d2t", lambda: (self.d2t,), self.d2t.tolist)[d]
+            return torch.tensor([[d]], device=logits.device), torch.tensor([[math.exp(mx[0] - lse[0])]])
+        logits = logits.float()
+        d = logits.argmax(-1)  # [B, 1]
+        p = logits.softmax(-1).gather(-1, d[..., None])[..., 0]
+        return (d + self.d2t[d] if hasattr(self, "d2t") else d), p
+
+    def _chain_serves(self, input_ids: torch.Tensor, hidden) -> bool:
+        """Whether `workbench.kernels.cpu.EagleChain` takes this chain: one sequence, an MLA layer,
+        the draft's dtype throughout, within the kernels' rows."""
+        h = hidden[0] if isinstance(hidden, (tuple, list)) else hidden
+        dtype = self.norm.weight.dtype
+        return (input_ids.shape[0] == 1 and self.config.attention == "mla" and h.dtype == dtype
+                and self.part("embed_tokens").weight.dtype == dtype == self.part("lm_head").weight.dtype
+                and cpu.serves(h, rows=input_ids.shape[1]))
+
+    def _kernel_chain(self, input_ids: torch.Tensor, hidden, cache: KVCache, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy_chain` in one call of the CPU kernels (the same kernels the passes run one by one)."""
+        T = input_ids.shape[1]
+        cache.check_room(T + k - 1)
+        if isinstance(hidden, (tuple, list)):
+            hidden = self.combine_hidden_states(hidden)  # in Python: the fusion analysis patches it
+        layer, head, embed = self.layers[0], self.part("lm_head"), self.part("embed_tokens")
+        attn = layer.self_attn
+        parts = (cpu.derived(attn, "absorbed", attn._kernel_sources, attn._kernel_weights),
+                 cpu.derived(layer.mlp, "block", layer.mlp._kernel_sources, layer.mlp._kernel_block),
+                 cpu.derived(head, "packed", lambda: (head.weight,), lambda: cpu.PackedLinear(head.weight)),
+                 attn.rotary.tables(embed.weight.dtype, cache.max_len))
+        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, self.norm)
+        tensors = [embed.weight, *(n.weight for n in norms), *([self.d2t] if hasattr(self, "d2t") else [])]
+        settings = (layer.norm_before_residual, self.norm_output, *(n.eps for n in norms), id(embed), id(head))
+        chain = cpu.derived(self, "chain", lambda: tensors, lambda: cpu.EagleChain(
+            parts[0], parts[1], [(n.weight, n.eps) for n in norms], embed.weight, parts[2],
+            getattr(self, "d2t", None), *parts[3], layer.norm_before_residual, self.norm_output), settings)
+        if chain.parts != parts[:3] or chain.tensors[-2] is not parts[3][0]:  # a part was rebuilt since
+            self._cpu_derived.pop("chain")
+            return self._kernel_chain(input_ids, hidden, cache, k)
+        tokens, probs = chain(input_ids[0], hidden.reshape(T, -1), cache.layer(0)[0], cache.length, k)
+        cache.advance(T + k - 1)
+        return tokens[None].to(input_ids.device), probs[None]
 
     def greedy_chain(self, input_ids: torch.Tensor, hidden: torch.Tensor | tuple[torch.Tensor, ...],
                      cache: KVCache, k: int, attention: str = "torch",
@@ -213,6 +262,8 @@ class Eagle3Draft(nn.Module):
         the fused step passes every verified row and continues after the accepted ones; rows
         after `last` are left for the next first pass to overwrite).
         """
+        if last is None and attention == "torch" and self._chain_serves(input_ids, hidden):
+            return self._kernel_chain(input_ids, hidden, cache, k)
         if isinstance(hidden, (tuple, list)):
             hidden = self.combine_hidden_states(hidden)
         forward = type(self).forward  # the eager method, also when `forward` is a compiled wrapper
@@ -226,11 +277,9 @@ class Eagle3Draft(nn.Module):
         for i in range(k):
             # Over the draft's own vocabulary: the same argmax and softmax as compute_logits'
             # scattered row (-inf elsewhere), without building a full-vocabulary row per step.
-            logits = head(post[:, -1:].to(head.weight.dtype)).float()  # [B, 1, draft_vocab]
-            d = logits.argmax(-1)  # [B, 1]
-            probs.append(logits.softmax(-1).gather(-1, d[..., None])[..., 0])
-            t = d + self.d2t[d] if hasattr(self, "d2t") else d
-            tokens.append(t)
+            logits = cpu.project(head, post[:, -1:].to(head.weight.dtype))  # [B, 1, draft_vocab]
+            t, p = self._greedy_pick(logits)
+            tokens.append(t), probs.append(p)
             if i + 1 < k and last is None:
                 post, state = forward(self, t, state[:, -1:], cache, attention=attention)
             elif i + 1 < k:  # at start + last + 1 + i, a position only the device knows

@@ -14,6 +14,10 @@ query, q_lat = q_nope W_UK (width L), attend MQA-style over the cache rows thems
 values = c_kv, and unfold W_UV afterwards. Same numbers, reassociated; the attention
 itself runs in `workbench.kernels.mla_attention` (Triton on CUDA, its PyTorch twin on CPU).
 The softmax scale stays 1/sqrt(P+R) * mscale^2 in both paths.
+
+Eager decode and verify steps on the CPU go through `workbench.kernels.cpu` (`_kernel_step`):
+the absorbed path with W_UK folded into the query projection and W_UV into o_proj ahead of
+time, q_a and kv_a as one projection, RoPE as two rows of it, five calls a layer.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from torch import nn
 
 from workbench.cache import KVCache
 from workbench.config import MLADims
-from workbench.kernels import mla_attention
+from workbench.kernels import cpu, mla_attention
 from workbench.models.norm import RMSNorm
 from workbench.models.rope import RotaryEmbedding
 
@@ -133,17 +137,60 @@ class MLAttention(nn.Module):
         every layer has written. Without a cache the tokens attend causally among themselves.
         """
         T = x.shape[1]
+        if cache is not None and path != "naive" and backend == "torch" and x.shape[0] == 1 and cpu.serves(x):
+            return self._kernel_step(x, positions, cache, layer)  # any T the kernels take: their attention is absorbed
+        absorbed = path == "absorbed" or (path == "auto" and T <= ABSORB_MAX_TOKENS)
         q_nope, q_pe, new_rows = self.project(x, positions)
         if cache is None:
             mask = causal_mask(T, 0, x.device) if T > 1 else None
             return self.o_proj(self.attend_naive(q_nope, q_pe, new_rows, mask))
         start = cache.length
         rows = cache.write(layer, start, new_rows)
-        if path == "absorbed" or (path == "auto" and T <= ABSORB_MAX_TOKENS):
+        if absorbed:
             o = self.attend_absorbed(q_nope, q_pe, cache.layer(layer), start + T, backend)
         else:
             o = self.attend_naive(q_nope, q_pe, rows, causal_mask(T, start, x.device))
         return self.o_proj(o)
+
+    def _kernel_settings(self) -> tuple:
+        """What `_kernel_weights` bakes in besides the weights (the doctor flips the RoPE pairing)."""
+        eps = (self.kv_a_layernorm.eps, self.q_a_layernorm.eps if self.q_lora is not None else None)
+        return self.rotary.interleave, self.scale, eps
+
+    def _kernel_sources(self) -> list[torch.Tensor]:
+        q = (self.q_proj,) if self.q_lora is None else (self.q_a_proj, self.q_b_proj, self.q_a_layernorm)
+        return [m.weight for m in (*q, self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj, self.o_proj)]
+
+    def _kernel_weights(self) -> cpu.MlaBlock:
+        """This attention as `cpu.MlaBlock`: the absorbed projections (rebuilt when a weight changes).
+
+        "a" maps x to [c_q (q_lora) | c_kv | k_pe as `as_rows`' two halves] (with q_lora), "q"
+        maps c_q (or x) to [q_lat = q_nope W_UK per head (L) | q_pe's two halves per head], and
+        "o" maps the heads' latent outputs to the hidden size through W_UV and o_proj at once.
+        Products are formed in fp32 and rounded to the weights' dtype once.
+        """
+        N, P, L = self.n_heads, self.nope, self.kv_lora
+        dtype = self.kv_a_proj_with_mqa.weight.dtype
+        w_uk, w_uv = (w.float() for w in self.absorbed_weights())
+        wq = (self.q_proj if self.q_lora is None else self.q_b_proj).weight.float().view(N, P + self.rope, -1)
+        q_lat = torch.einsum("npl,npi->nli", w_uk, wq[:, :P]).reshape(N * L, -1)
+        pe = [self.rotary.as_rows(wq[h, P:]) for h in range(N)]
+        q = torch.cat([q_lat, *(a for a, _ in pe), *(b for _, b in pe)])
+        kv = self.kv_a_proj_with_mqa.weight.float()
+        a = torch.cat([kv[:L], *self.rotary.as_rows(kv[L:])])
+        a = torch.cat([q if self.q_lora is None else self.q_a_proj.weight.float(), a])
+        wo = self.o_proj.weight.float().view(-1, N, self.v_dim)
+        o = torch.einsum("hnv,nvl->hnl", wo, w_uv).reshape(wo.shape[0], N * L)
+        q_norm = None if self.q_lora is None else (self.q_a_layernorm.weight, self.q_a_layernorm.eps)
+        return cpu.MlaBlock(a.to(dtype), None if self.q_lora is None else q.to(dtype), o.to(dtype), q_norm,
+                            (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps), self.scale, N, L, self.rope)
+
+    def _kernel_step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
+        """`forward`'s absorbed path for one sequence through `workbench.kernels.cpu`, in one call."""
+        block = cpu.derived(self, "absorbed", self._kernel_sources, self._kernel_weights, self._kernel_settings())
+        cache.check_room(x.shape[1])  # the new rows go straight into the cache
+        cos2, sin2 = self.rotary.halves(positions[0], x.dtype, cache.max_len)
+        return block(x[0], cache.layer(layer)[0], cache.length, cos2, sin2)[None]
 
     def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int, bound: int,
                    backend: str = "torch") -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.config import VerifierConfig
+from workbench.kernels import cpu
 
 
 class MLP(nn.Module):
@@ -24,7 +25,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu.serves(x) and x.dtype == self.down_proj.weight.dtype:
+            return cpu.derived(self, "block", self._kernel_sources, self._kernel_block)(x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def _kernel_sources(self) -> tuple[torch.Tensor, ...]:
+        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+
+    def _kernel_block(self) -> cpu.FfnBlock:
+        """This MLP as one `cpu.FfnBlock` call (gate|up as one projection)."""
+        return cpu.FfnBlock(torch.cat([self.gate_proj.weight, self.up_proj.weight]), self.down_proj.weight, 1)
 
 
 class Router(nn.Module):
@@ -97,6 +107,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        if self.dense_inference and cpu.serves(x) and x.dtype == self.experts[0].down_proj.weight.dtype:
+            return self._kernel_experts(x).view(shape)
         weights, ids = self.gate(x)
         if torch.is_grad_enabled():
             out = self._loop_experts(x, weights, ids)
@@ -109,6 +121,31 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)
+
+    def _kernel_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense experts through `workbench.kernels.cpu`: routing, every routed expert and the
+        shared ones (as groups of moe_intermediate_size, weighted 1) in one gate|up and one down
+        projection, the routing weights applied between them (a zero weight gives exact zeros)."""
+        g = self.gate
+        settings = (g.top_k, g.n_group, g.topk_group, g.norm_topk_prob, g.scaling, g.sigmoid)
+        return cpu.derived(self, "dense", self._kernel_sources, self._kernel_weights, settings)(x)
+
+    def _kernel_sources(self) -> list[torch.Tensor]:
+        mlps = [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]
+        return [self.gate.weight, self.gate.e_score_correction_bias,
+                *(m.weight for e in mlps for m in (e.gate_proj, e.up_proj, e.down_proj))]
+
+    def _kernel_weights(self) -> cpu.FfnBlock:
+        """[gate_g | up_g] per group and the down projections side by side; the shared experts'
+        MLP splits into groups of the routed experts' width (each weighted 1)."""
+        I = self.experts[0].down_proj.weight.shape[1]
+        gate_up, down = [], []
+        for e in [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]:
+            for g in range(e.down_proj.weight.shape[1] // I):
+                rows = slice(g * I, (g + 1) * I)
+                gate_up += [e.gate_proj.weight[rows], e.up_proj.weight[rows]]
+                down.append(e.down_proj.weight[:, rows])
+        return cpu.FfnBlock(torch.cat(gate_up), torch.cat(down, dim=1), len(down), router=self.gate)
 
     def _loop_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One matmul per expert that has tokens (training; a many-expert model's prefill)."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from workbench.cache import KVCache
 from workbench.config import VerifierConfig
+from workbench.kernels import cpu
 from workbench.models.mla import MLAttention
 from workbench.models.moe import MLP, MoE
 from workbench.models.norm import RMSNorm
@@ -108,4 +109,4 @@ class Verifier(nn.Module):
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         h = self.model.norm(h)
-        return VerifierOutput(self.lm_head(h), tuple(aux), h)
+        return VerifierOutput(cpu.project(self.lm_head, h), tuple(aux), h)

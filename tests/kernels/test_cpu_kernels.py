@@ -1,0 +1,312 @@
+"""The CPU kernels (`workbench.kernels.cpu`) against the models' own PyTorch code.
+
+Each kernel is checked against the reference it replaces (fp32 to ~1e-6, bf16 bit for bit where
+the kernel rounds at the same points as torch does), every kernel that takes several rows must give
+each row the same bits as a call on that row alone (the property that makes a verify round as a
+decode does), and the cached, packed weights must follow the models' weights and switches.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import workbench as wb
+from workbench.kernels import cpu
+from workbench.kernels.reference import mla_attention_torch
+from workbench.models.norm import RMSNorm
+from workbench.models.rope import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels: {cpu.status()}")
+DTYPES = (torch.float32, torch.bfloat16)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs() / (want.double().abs() + 1)).max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N, K", [(192, 256), (100, 96), (33, 8), (17, 10), (1, 2)])
+def test_linear_is_a_matmul_whose_rows_do_not_depend_on_each_other(dtype, N, K):
+    gen = torch.Generator().manual_seed(N * K)
+    W = torch.randn(N, K, generator=gen).to(dtype)
+    packed = cpu.PackedLinear(W)
+    for M in (1, 3, 4, 5, 16):
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        y = packed(x)
+        assert y.dtype == dtype and y.shape == (M, N)
+        # fp32: one rounding per fma; bf16: products exact in fp32, one rounding of the sum
+        assert rel_err(y, F.linear(x.double(), W.double())) < (5e-5 if dtype == torch.float32 else 8e-3)
+        assert torch.equal(torch.cat([packed(x[i:i + 1]) for i in range(M)]), y)
+        r = torch.randn(M, N, generator=gen).to(dtype)
+        assert torch.equal(packed(x, residual=r), y + r)  # rounded, then added and rounded, as `r + linear(x)`
+
+
+def test_linear_handles_an_odd_width_in_bf16_and_refuses_a_dtype_mismatch():
+    W = torch.randn(40, 7).bfloat16()
+    x = torch.randn(2, 7).bfloat16()
+    assert rel_err(cpu.PackedLinear(W)(x), F.linear(x.double(), W.double())) < 8e-3
+    with pytest.raises(ValueError, match="activations are torch.float32"):
+        cpu.PackedLinear(W)(x.float())
+
+
+def test_the_bf16_fallback_without_avx512_bf16_instructions_agrees(tmp_path):
+    """CPUs with AVX-512 but no AVX512-BF16 build the same source without `vdpbf16ps`: pairs of
+    products as two fmas. Compiled so here and called directly, it must agree with the reference."""
+    so = tmp_path / "no_bf16.so"
+    out = subprocess.run([cpu._compiler(), *cpu.FLAGS, "-mno-avx512bf16", str(cpu.SOURCE), "-o", str(so)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lib = ctypes.CDLL(str(so))
+    assert lib.wb_isa() == 1
+    W, x = torch.randn(50, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    packed = cpu.PackedLinear(W)
+    y = torch.empty(3, 50, dtype=torch.bfloat16)
+    lib.wb_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    assert lib.wb_linear(packed.data.data_ptr(), x.data_ptr(), y.data_ptr(), None, 3, 50, 64, 1) == 0
+    assert rel_err(y, F.linear(x.double(), W.double())) < 8e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_is_the_models_rmsnorm(dtype):
+    norm = RMSNorm(72, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(5, 72) * 3).to(dtype)
+    with torch.enable_grad():  # the module's own torch arithmetic
+        want = norm(x).detach()
+    got = cpu.rms_norm(x, norm.weight.detach(), 1e-6)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    out = torch.full((5, 100), float("nan"), dtype=dtype)  # strided rows in and out: a cache row's slice
+    cpu.rms_norm(x, norm.weight.detach(), 1e-6, out=out[:, 10:82])
+    assert torch.equal(out[:, 10:82], got) and out[:, :10].isnan().all() and out[:, 82:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_from_two_projection_rows_is_the_rotary_embedding(dtype, interleave):
+    rot = RotaryEmbedding(16, 50000.0, {"factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}, interleave)
+    w = torch.randn(3 * 16, 24)  # three heads' rope rows of a projection
+    x = torch.randn(4, 24)
+    pos = torch.tensor([[3, 4, 5, 90]])
+    cos, sin = rot.cos_sin(pos, dtype)
+    want = rot(F.linear(x, w).to(dtype).view(1, 4, 3, 16), cos, sin)[0]
+    halves = [rot.as_rows(w[16 * h:16 * (h + 1)]) for h in range(3)]
+    a = F.linear(x, torch.cat([p for p, _ in halves])).to(dtype).view(4, 3, 16)
+    b = F.linear(x, torch.cat([q for _, q in halves])).to(dtype).view(4, 3, 16)
+    cos2, sin2 = rot.halves(pos[0], dtype, 128)
+    assert torch.equal(cpu.rope(a, b, cos2, sin2), want)  # the same products and sums
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, heads, L, R, start", [(1, 4, 64, 16, 30), (4, 4, 64, 16, 100), (4, 2, 32, 8, 7),
+                                                    (3, 1, 20, 6, 0)])
+def test_attention_is_the_reference_twin_row_by_row(dtype, T, heads, L, R, start):
+    gen = torch.Generator().manual_seed(start + T)
+    rows = torch.full((start + T + 9, L + R), float("nan")).to(dtype)  # slots past the sequence: NaN
+    rows[:start + T] = torch.randn(start + T, L + R, generator=gen).to(dtype)
+    q_lat = torch.randn(T, heads, L, generator=gen).to(dtype)
+    q_pe = torch.randn(T, heads, R, generator=gen).to(dtype)
+    got = cpu.attention(q_lat, q_pe, rows, start, 0.3)
+    want, _ = mla_attention_torch(q_lat[None], q_pe[None], rows[None], torch.tensor([start + T], dtype=torch.int32),
+                                  0.3, max_seq_len=start + T)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want[0].float(), rtol=tol, atol=tol)
+    alone = torch.cat([cpu.attention(q_lat[t:t + 1], q_pe[t:t + 1], rows, start + t, 0.3) for t in range(T)])
+    assert torch.equal(alone, got)
+
+
+def test_moe_route_is_the_router():
+    pair = wb.load_pair(dtype="float32")
+    gen = torch.Generator().manual_seed(0)
+    for layer in pair.verifier.model.layers[1:4]:
+        router = layer.mlp.gate
+        x = torch.randn(6, 256, generator=gen)
+        weights, ids = router(x)
+        dense = torch.zeros(6, 8).scatter(1, ids, weights)
+        got = cpu.moe_route(x, router, extra=1)
+        torch.testing.assert_close(got[:, :8], dense, rtol=1e-6, atol=1e-6)
+        assert torch.equal(got[:, :8] > 0, dense > 0) and torch.equal(got[:, 8], torch.ones(6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_weights_each_group_and_zero_weights_give_exact_zeros(dtype):
+    h = (torch.randn(3, 5 * 2 * 40) * 3).to(dtype)
+    h[0, 0] = float("inf")  # in a group whose weight is 0: must not leak a NaN
+    w = torch.rand(3, 5)
+    w[:, 0] = 0.0
+    g = h.view(3, 5, 2, 40)
+    act = F.silu(g[:, :, 0]) * g[:, :, 1]
+    want = torch.where(w[:, :, None] > 0, act.float() * w[:, :, None], 0.0).to(dtype).view(3, -1)
+    got = cpu.swiglu(h, 5, w)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=3e-6, atol=3e-6)
+    torch.testing.assert_close(cpu.swiglu(h[:, :80], 1).float(), (F.silu(h[:, :40]) * h[:, 40:80]).float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_stats_are_max_first_argmax_and_logsumexp(dtype):
+    x = (torch.randn(4, 1000) * 3).to(dtype)
+    x[2, 700] = x[2, 100] = x[2].max() + 1  # a tie: the first index, as ATen's argmax
+    mx, arg, lse = cpu.row_stats(x)
+    ref = x.float()
+    assert arg == ref.argmax(-1).tolist() and arg[2] == 100 and mx == ref.amax(-1).tolist()
+    torch.testing.assert_close(torch.tensor(lse), torch.logsumexp(ref, -1), rtol=1e-6, atol=1e-6)
+    y = x.clone()
+    y[1, 7], y[3, 9] = float("nan"), float("inf")
+    mx = cpu.row_stats(y, lse=False)[0]
+    assert mx[1] != mx[1] and mx[3] == float("inf")  # NaN and +inf surface in the max
+    assert cpu.row_stats(torch.full((1, 10), float("-inf"), dtype=dtype)) == ([float("-inf")], [0], [float("-inf")])
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from conftest import make_random_pair
+
+    vdir, ddir = make_random_pair(tmp_path_factory.mktemp("cpu"), seed=4, layers=3, aux_layer_ids=(0, 1, 2))
+    return {dt: wb.load_pair(vdir, ddir, dtype=dt) for dt in ("float32", "bfloat16")}
+
+
+def reference(fn):
+    """fn() on the models' torch path: grad on (the kernels never serve autograd), outputs detached."""
+    with torch.enable_grad():
+        out = fn()
+    return out
+
+
+def test_verifier_steps_equal_the_torch_path_and_rows_do_not_depend_on_the_call(pairs):
+    """fp32: a prefill, a decode and a 4-token verify through the kernels equal the torch path's
+    logits and cache rows (1e-5); bf16: the verify's rows equal four decodes' bit for bit."""
+    pair = pairs["float32"]
+    v = pair.verifier
+    prompt = torch.tensor([[5, 9, 200, 31, 7, 77, 3]])
+    new = torch.tensor([[11, 12, 13, 14]])
+    outs = []
+    for path in ("kernels", "torch"):
+        cache = v.new_cache(64)
+        run = (lambda f: reference(f)) if path == "torch" else (lambda f: torch.inference_mode()(f)())
+        a = run(lambda: v(prompt, cache).logits.detach())
+        b = run(lambda: v(new, cache).logits.detach())
+        outs.append((a, b, cache.valid().detach().clone()))
+    for got, want in zip(outs[0], outs[1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    v16 = pairs["bfloat16"].verifier
+    with torch.inference_mode():
+        c1, c4 = v16.new_cache(64), v16.new_cache(64)
+        v16(prompt, c1), v16(prompt, c4)
+        four = v16(new, c4).logits[0]
+        ones = torch.cat([v16(new[:, i:i + 1], c1).logits[0] for i in range(4)])
+    assert torch.equal(four, ones) and torch.equal(c4.valid(), c1.valid())
+
+
+def test_the_draft_chain_in_one_call_equals_its_passes_and_the_torch_path(pairs, monkeypatch):
+    from workbench.models.draft import Eagle3Draft
+
+    for dt, pair in pairs.items():
+        v, d = pair.verifier, pair.draft
+        ids = [5, 9, 200, 31, 7, 77, 3]
+        with torch.inference_mode():
+            out = v(torch.tensor([ids]), v.new_cache(64))
+        x = torch.tensor([ids[1:] + [42]])
+        runs = {}
+        for name in ("chain", "passes", "torch"):
+            cache = d.new_cache(64)
+            with monkeypatch.context() as m:
+                if name != "chain":
+                    m.setattr(Eagle3Draft, "_chain_serves", lambda *a: False)
+                if name == "torch":
+                    runs[name] = reference(lambda: d.greedy_chain(x, out.aux_hidden_states, cache, 4)) + (cache,)
+                else:
+                    with torch.inference_mode():
+                        runs[name] = d.greedy_chain(x, out.aux_hidden_states, cache, 4) + (cache,)
+        (t1, p1, c1), (t2, p2, c2), (t3, p3, c3) = runs["chain"], runs["passes"], runs["torch"]
+        assert torch.equal(t1, t2) and torch.equal(p1, p2) and torch.equal(c1.valid(), c2.valid()), dt
+        assert c1.length == c3.length == len(ids) + 3
+        if dt == "float32":
+            assert torch.equal(t1, t3)
+            torch.testing.assert_close(p1, p3.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(c1.valid(), c3.valid().detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weights_follow_the_models_weights_and_switches(pairs):
+    """An in-place weight change, the RoPE pairing flipped (as the doctor does), a draft's
+    embedding swapped for the verifier's: the next kernel call uses what the model now holds."""
+    pair = pairs["float32"]
+    v, d = pair.verifier, pair.draft
+    prompt = torch.tensor([[5, 9, 200, 31]])
+
+    def both():
+        with torch.inference_mode():
+            got = v(prompt, v.new_cache(16)).logits
+        return got, reference(lambda: v(prompt, v.new_cache(16)).logits.detach())
+
+    before, _ = both()
+    attn = v.model.layers[1].self_attn
+    with torch.no_grad():
+        v.model.layers[1].mlp.experts[0].up_proj.weight.mul_(3.0)
+        attn.o_proj.weight.mul_(-1.0)
+    got, want = both()
+    assert not torch.allclose(got, before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    attn.rotary.interleave = not attn.rotary.interleave
+    try:
+        got, want = both()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        attn.rotary.interleave = not attn.rotary.interleave
+
+    ids = torch.tensor([[9, 200, 31, 42]])
+    with torch.inference_mode():
+        aux = v(prompt, v.new_cache(16)).aux_hidden_states
+    own = torch.nn.Embedding(*d.part("embed_tokens").weight.shape)
+    with torch.no_grad():
+        own.weight.normal_()
+    d.embed_tokens = own  # the draft now ships an embedding of its own
+    try:
+        with torch.inference_mode():
+            got = d.greedy_chain(ids, aux, d.new_cache(16), 3)
+        want = reference(lambda: d.greedy_chain(ids, aux, d.new_cache(16), 3))
+        assert torch.equal(got[0], want[0])
+    finally:
+        del d._modules["embed_tokens"]
+
+
+def test_bf16_speculation_equals_plain_decoding_bit_for_bit_on_the_embedded_pair():
+    """Every kernel computes a row alone, so a verify's rows are a decode's: no near-tie can flip."""
+    pair = wb.load_pair(dtype="bfloat16")
+    prompts = ['def parse_header(line):\n    """Split a header line into a name and a value."""',
+               'class Stack:\n    """A last-in first-out stack."""']
+    for prompt in prompts:
+        ar = wb.generate_autoregressive(pair, prompt, 48)
+        for k in (1, 3, 5):
+            assert wb.SpecDecoder(pair, k).generate(prompt, 48).tokens == ar.tokens, (prompt, k)
+
+
+def test_switched_off_or_unbuildable_the_models_use_torch(tmp_path):
+    """WORKBENCH_CPU_KERNELS=0, or no compiler: `serves` is False, `status` says why, and decoding works."""
+    code = ("import torch, workbench as wb; from workbench.kernels import cpu; "
+            "pair = wb.load_pair(dtype='float32'); "
+            "r = wb.generate_autoregressive(pair, 'def f(x):', 6); "
+            "print(cpu.available(), len(r.tokens), cpu.status())")
+    for env in ({"WORKBENCH_CPU_KERNELS": "0"}, {"CXX": "/nonexistent/c++", "WORKBENCH_CACHE_DIR": str(tmp_path)}):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, **env}, timeout=300)
+        assert out.returncode == 0, out.stderr
+        available, n, why = out.stdout.split(" ", 2)
+        assert available == "False" and n == "6", out.stdout
+        assert ("WORKBENCH_CPU_KERNELS=0" in why) if "WORKBENCH_CPU_KERNELS" in env else ("not built" in why), why
