@@ -360,7 +360,7 @@ def _layout(defaults: Settings) -> SimpleNamespace:
                 ui.temperature = gr.Slider(0, 2, value=defaults.temperature, step=0.05,
                                            label="temperature (0 = greedy)")
                 ui.top_p = gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="top-p")
-                ui.max_new = gr.Slider(1, 512, value=defaults.max_new_tokens, step=1, label="max new tokens",
+                ui.max_new = gr.Slider(1, MAX_NEW_TOKENS, value=defaults.max_new_tokens, step=1, label="max new tokens",
                                        elem_id="max-new")
                 ui.seed = gr.Number(defaults.seed, precision=0, label="seed", minimum=0)
                 with gr.Row():

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "apps"))
 import chat  # noqa: E402
 
 NEW = 24  # max_new_tokens everywhere: short answers keep the file fast on a shared CPU
-LONG = 400  # the answer the browser test stops midway
+LONG = 1000  # the answer the browser test stops midway: at several hundred tokens/s it must outlast the click
 STOP_PROMPT = "x = [1, 2, 3, 4, 5, 6, 7, 8,"  # a list to continue: no code model ends it within a few tokens
 PROMPT = 'def add(a, b):\n    """Return the sum of a and b."""\n'
 

@@ -160,7 +160,8 @@ def derived(owner: torch.nn.Module, key: str, sources: Callable[[], Sequence[Ten
     module anywhere has had a parameter or submodule assigned since (a load_state_dict(assign=True),
     `m.weight = ...`, the doctor swapping a draft's embedding), after which `sources()` is asked
     again. `settings` are plain values the result depends on (flags the doctor flips, eps...),
-    compared on every call. A check costs a few attribute reads per source.
+    compared on every call. A check costs a few attribute reads per source. Sources created in
+    inference mode keep no version, so a result built from them is not kept: built on every call.
     """
     cache = owner.__dict__.setdefault("_cpu_derived", {})
     hit = cache.get(key)
@@ -170,7 +171,8 @@ def derived(owner: torch.nn.Module, key: str, sources: Callable[[], Sequence[Ten
     tensors = sources()
     with torch.no_grad():
         value = build()
-    cache[key] = (_epoch[0], [(t, t._version, t.data_ptr(), t.dtype) for t in tensors], settings, value)
+    if not any(t.is_inference() for t in tensors):
+        cache[key] = (_epoch[0], [(t, t._version, t.data_ptr(), t.dtype) for t in tensors], settings, value)
     return value
 
 
