@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import workbench as wb
+from workbench.kernels import cpu
 from conftest import make_random_pair
 from workbench.analysis.bench import divergence, run_bench, step_components, step_cost, tie_tolerance
 from workbench.cli import _bench_text, default_dtype
@@ -54,6 +55,7 @@ def test_report_pools_the_runs_it_made(pair):
     assert m["fast_bf16"] == ("avx512_bf16" in flags or "amx_bf16" in flags)
     assert default_dtype("cpu") == ("bfloat16" if m["fast_bf16"] else "float32") and default_dtype("cuda") == "bfloat16"
     assert f"({m['cores']} cores, {m['torch_cpu_capability']}, fast bf16: {m['fast_bf16']})" in text.splitlines()[1]
+    assert r["cpu_kernels"] == cpu.status() and f"CPU kernels {cpu.status().split(':')[0]}" in text.splitlines()[1]
     assert f"a step costs {c['decodes_per_step']:.2f} decodes" in text and f"at most {3 / c['decodes_per_step']:.2f}x" in text
 
 

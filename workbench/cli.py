@@ -132,7 +132,7 @@ def _bench_text(r: dict) -> str:
              + (", graphs: {hits} from inductor's cache, {misses} compiled, {bypasses} not cacheable".format(**r["graph_cache"])
                 if r["compiled"] else "") + ")",
              f"on {m['cpu'] or 'an unknown CPU'} ({m['cores']} cores, {m['torch_cpu_capability']}, "
-             f"fast bf16: {m['fast_bf16']}), torch {m['torch']}",
+             f"fast bf16: {m['fast_bf16']}), torch {m['torch']}; CPU kernels {r['cpu_kernels'].split(':')[0]}",
              f"accept length {r['accept_length']:.3f}  per-position {[round(x, 3) for x in r['per_position_acceptance']]}",
              f"speculative {r['spec_tokens_per_s']:.1f} tok/s  autoregressive {r['ar_tokens_per_s']:.1f} tok/s  "
              f"speedup {r['speedup']:.2f}x (median per prompt {r['speedup_median']:.2f}x)",

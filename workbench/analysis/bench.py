@@ -23,6 +23,7 @@ import time
 import torch
 
 from workbench.analysis.metrics import compute_stats
+from workbench.kernels import cpu
 from workbench.machine import machine
 
 EPS = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
@@ -242,7 +243,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     spec_steps = sum(e.kind == "spec" for e in spec_events)
     report = {
         "k": k, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(pair.dtype).replace("torch.", ""),
-        "device": str(pair.device), "machine": machine(), "attention": dec.attention,
+        "device": str(pair.device), "machine": machine(), "cpu_kernels": cpu.status(), "attention": dec.attention,
         "threads": torch.get_num_threads(), "repeats": repeats,
         "compiled": pair.compiled, "fused": dec.fused is not None, "warmup_s": warmup_s, "graph_cache": graph_cache,
         "verifier": pair.verifier_dir, "draft": pair.draft_dir,
