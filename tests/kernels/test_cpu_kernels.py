@@ -244,8 +244,10 @@ def test_the_draft_chain_in_one_call_equals_its_passes_and_the_torch_path(pairs,
 
 
 def test_packed_weights_follow_the_models_weights_and_switches(pairs):
-    """An in-place weight change, the RoPE pairing flipped (as the doctor does), a draft's
-    embedding swapped for the verifier's: the next kernel call uses what the model now holds."""
+    """An in-place weight change, the RoPE pairing flipped and the fed-back state switched (as the
+    doctor does), a draft's embedding swapped: the next kernel call uses what the model now holds."""
+    from workbench.analysis.doctor import norm_output_flipped, rope_flipped
+
     pair = pairs["float32"]
     v, d = pair.verifier, pair.draft
     prompt = torch.tensor([[5, 9, 200, 31]])
@@ -273,14 +275,23 @@ def test_packed_weights_follow_the_models_weights_and_switches(pairs):
     ids = torch.tensor([[9, 200, 31, 42]])
     with torch.inference_mode():
         aux = v(prompt, v.new_cache(16)).aux_hidden_states
+
+    def chain():
+        with torch.inference_mode():
+            got = d.greedy_chain(ids, aux, d.new_cache(16), 3)
+        return got, reference(lambda: d.greedy_chain(ids, aux, d.new_cache(16), 3))
+
+    for flipped in (rope_flipped, norm_output_flipped):  # the doctor's probes, inside the one-call chain
+        with flipped(d):
+            got, want = chain()
+            assert torch.equal(got[0], want[0]), flipped.__name__
+            torch.testing.assert_close(got[1], want[1].detach(), rtol=1e-5, atol=1e-6)
     own = torch.nn.Embedding(*d.part("embed_tokens").weight.shape)
     with torch.no_grad():
         own.weight.normal_()
     d.embed_tokens = own  # the draft now ships an embedding of its own
     try:
-        with torch.inference_mode():
-            got = d.greedy_chain(ids, aux, d.new_cache(16), 3)
-        want = reference(lambda: d.greedy_chain(ids, aux, d.new_cache(16), 3))
+        got, want = chain()
         assert torch.equal(got[0], want[0])
     finally:
         del d._modules["embed_tokens"]

@@ -338,7 +338,7 @@ class MlaBlock:
     """An absorbed-MLA attention in one call (`wb_mla_block`): normed x [T, in] -> o_proj's output,
     the T new cache rows written first. `a` maps x to [c_q or q | c_kv | k_pe's two halves], `q`
     maps the normed c_q to [q_lat per head (L) | q_pe's two halves per head] (None without q_lora),
-    `o` maps the heads' latent outputs to the hidden size (`MLAttention._kernel_weights`)."""
+    `o` maps the heads' latent outputs to the hidden size (`MLAttention._build_kernel_block`)."""
 
     def __init__(self, a: Tensor, q: Tensor | None, o: Tensor, q_norm: tuple[Tensor, float] | None,
                  kv_norm: tuple[Tensor, float], scale: float, heads: int, kv_lora: int, rope: int) -> None:

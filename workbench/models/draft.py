@@ -231,8 +231,7 @@ class Eagle3Draft(nn.Module):
             hidden = self.combine_hidden_states(hidden)  # in Python: the fusion analysis patches it
         layer, head, embed = self.layers[0], self.part("lm_head"), self.part("embed_tokens")
         attn = layer.self_attn
-        parts = (cpu.derived(attn, "absorbed", attn._kernel_sources, attn._kernel_weights),
-                 cpu.derived(layer.mlp, "block", layer.mlp._kernel_sources, layer.mlp._kernel_block),
+        parts = (attn.kernel_block(), layer.mlp.kernel_block(),
                  cpu.derived(head, "packed", lambda: (head.weight,), lambda: cpu.PackedLinear(head.weight)),
                  attn.rotary.tables(embed.weight.dtype, cache.max_len))
         norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, self.norm)

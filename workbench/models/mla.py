@@ -17,7 +17,7 @@ The softmax scale stays 1/sqrt(P+R) * mscale^2 in both paths.
 
 Eager decode and verify steps on the CPU go through `workbench.kernels.cpu` (`_kernel_step`):
 the absorbed path with W_UK folded into the query projection and W_UV into o_proj ahead of
-time, q_a and kv_a as one projection, RoPE as two rows of it, five calls a layer.
+time, q_a and kv_a as one projection, RoPE as two rows of it, the whole attention one call.
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ class MLAttention(nn.Module):
         return self.o_proj(o)
 
     def _kernel_settings(self) -> tuple:
-        """What `_kernel_weights` bakes in besides the weights (the doctor flips the RoPE pairing)."""
+        """What `_build_kernel_block` bakes in besides the weights (the doctor flips the RoPE pairing)."""
         eps = (self.kv_a_layernorm.eps, self.q_a_layernorm.eps if self.q_lora is not None else None)
         return self.rotary.interleave, self.scale, eps
 
@@ -161,8 +161,12 @@ class MLAttention(nn.Module):
         q = (self.q_proj,) if self.q_lora is None else (self.q_a_proj, self.q_b_proj, self.q_a_layernorm)
         return [m.weight for m in (*q, self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj, self.o_proj)]
 
-    def _kernel_weights(self) -> cpu.MlaBlock:
-        """This attention as `cpu.MlaBlock`: the absorbed projections (rebuilt when a weight changes).
+    def kernel_block(self) -> cpu.MlaBlock:
+        """This attention as one `cpu.MlaBlock` call, kept until a weight or a setting changes."""
+        return cpu.derived(self, "absorbed", self._kernel_sources, self._build_kernel_block, self._kernel_settings())
+
+    def _build_kernel_block(self) -> cpu.MlaBlock:
+        """The absorbed projections, packed.
 
         "a" maps x to [c_q (q_lora) | c_kv | k_pe as `as_rows`' two halves] (with q_lora), "q"
         maps c_q (or x) to [q_lat = q_nope W_UK per head (L) | q_pe's two halves per head], and
@@ -187,10 +191,9 @@ class MLAttention(nn.Module):
 
     def _kernel_step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
         """`forward`'s absorbed path for one sequence through `workbench.kernels.cpu`, in one call."""
-        block = cpu.derived(self, "absorbed", self._kernel_sources, self._kernel_weights, self._kernel_settings())
         cache.check_room(x.shape[1])  # the new rows go straight into the cache
         cos2, sin2 = self.rotary.halves(positions[0], x.dtype, cache.max_len)
-        return block(x[0], cache.layer(layer)[0], cache.length, cos2, sin2)[None]
+        return self.kernel_block()(x[0], cache.layer(layer)[0], cache.length, cos2, sin2)[None]
 
     def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int, bound: int,
                    backend: str = "torch") -> torch.Tensor:

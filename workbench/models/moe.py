@@ -26,15 +26,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu.serves(x) and x.dtype == self.down_proj.weight.dtype:
-            return cpu.derived(self, "block", self._kernel_sources, self._kernel_block)(x)
+            return self.kernel_block()(x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def _kernel_sources(self) -> tuple[torch.Tensor, ...]:
-        return self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-
-    def _kernel_block(self) -> cpu.FfnBlock:
-        """This MLP as one `cpu.FfnBlock` call (gate|up as one projection)."""
-        return cpu.FfnBlock(torch.cat([self.gate_proj.weight, self.up_proj.weight]), self.down_proj.weight, 1)
+    def kernel_block(self) -> cpu.FfnBlock:
+        """This MLP as one `cpu.FfnBlock` call (gate|up as one projection), kept until a weight changes."""
+        return cpu.derived(self, "block", lambda: (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight),
+                           lambda: cpu.FfnBlock(torch.cat([self.gate_proj.weight, self.up_proj.weight]),
+                                                self.down_proj.weight, 1))
 
 
 class Router(nn.Module):
@@ -108,7 +107,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if self.dense_inference and cpu.serves(x) and x.dtype == self.experts[0].down_proj.weight.dtype:
-            return self._kernel_experts(x).view(shape)
+            return self.kernel_block()(x).view(shape)
         weights, ids = self.gate(x)
         if torch.is_grad_enabled():
             out = self._loop_experts(x, weights, ids)
@@ -122,20 +121,21 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return out.view(shape)
 
-    def _kernel_experts(self, x: torch.Tensor) -> torch.Tensor:
-        """The dense experts through `workbench.kernels.cpu`: routing, every routed expert and the
-        shared ones (as groups of moe_intermediate_size, weighted 1) in one gate|up and one down
-        projection, the routing weights applied between them (a zero weight gives exact zeros)."""
+    def kernel_block(self) -> cpu.FfnBlock:
+        """The dense experts as one `workbench.kernels.cpu` call: routing, every routed expert and
+        the shared ones (as groups of moe_intermediate_size, weighted 1) in one gate|up and one down
+        projection, the routing weights applied between them (a zero weight gives exact zeros).
+        Kept until a weight or a routing setting changes."""
         g = self.gate
         settings = (g.top_k, g.n_group, g.topk_group, g.norm_topk_prob, g.scaling, g.sigmoid)
-        return cpu.derived(self, "dense", self._kernel_sources, self._kernel_weights, settings)(x)
+        return cpu.derived(self, "dense", self._kernel_sources, self._build_kernel_block, settings)
 
     def _kernel_sources(self) -> list[torch.Tensor]:
         mlps = [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]
         return [self.gate.weight, self.gate.e_score_correction_bias,
                 *(m.weight for e in mlps for m in (e.gate_proj, e.up_proj, e.down_proj))]
 
-    def _kernel_weights(self) -> cpu.FfnBlock:
+    def _build_kernel_block(self) -> cpu.FfnBlock:
         """[gate_g | up_g] per group and the down projections side by side; the shared experts'
         MLP splits into groups of the routed experts' width (each weighted 1)."""
         I = self.experts[0].down_proj.weight.shape[1]
