@@ -9,7 +9,7 @@ import torch
 
 import workbench as wb
 from workbench.kernels import cpu
-from conftest import make_random_pair
+from tests.helpers import make_random_pair
 from workbench.analysis.bench import divergence, run_bench, step_components, step_cost, tie_tolerance
 from workbench.cli import _bench_text, default_dtype
 

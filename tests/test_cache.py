@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import ScriptedProposer, greedy_chain, random_pair
+from tests.test_engine import ScriptedProposer, greedy_chain, random_pair
 
 import workbench as wb
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import workbench as wb
-from conftest import make_random_pair
+from tests.helpers import make_random_pair
 from workbench.compiled import is_compiled
 
 PROMPTS = ["def parse(text):\n    ", "class Stack:\n    def push(self, x):\n        "]

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from streamlit.testing.v1 import AppTest
 
-from conftest import REPO
+from tests.helpers import REPO
 
 APP = str(REPO / "apps" / "dashboard.py")
 SCREENSHOT = REPO / "assets" / "screenshots" / "dashboard.png"

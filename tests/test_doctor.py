@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import workbench as wb
-from conftest import EMBEDDED, REPO, make_random_pair
+from tests.helpers import EMBEDDED, REPO, make_random_pair
 from workbench.analysis import doctor
 from workbench.analysis.doctor import (MIN_ACCEPT, Probe, diagnose, first_proposal_hits, generate_run, judge,
                                        paired_z, static_checks)

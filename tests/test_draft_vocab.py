@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_engine import ID_PROMPTS, autoregressive, random_pair
+from tests.test_engine import ID_PROMPTS, autoregressive, random_pair
 
 import workbench as wb
 from workbench.analysis.doctor import static_checks

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EMBEDDED, REPO, make_random_pair
+from tests.helpers import EMBEDDED, REPO, make_random_pair
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

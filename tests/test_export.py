@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import workbench as wb
-from conftest import EMBEDDED, make_random_pair
+from tests.helpers import EMBEDDED, make_random_pair
 from workbench.integrations.vllm import export_draft
 
 VOCAB = 512

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from conftest import EMBEDDED, REPO
+from tests.helpers import EMBEDDED, REPO
 
 import workbench as wb
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import workbench as wb
-from conftest import make_random_pair
+from tests.helpers import make_random_pair
 from workbench.config import VerifierConfig, write_config_json
 from workbench.models import Verifier
 

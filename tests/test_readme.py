@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import socket
@@ -30,14 +31,44 @@ def code_lines(section: str | None = None) -> list[str]:
 
 def test_quick_start_is_two_commands_and_ci_runs_the_test_command():
     quick = code_lines("Quick start")
-    assert quick[0] == 'pip install torch==2.13.0 -e ".[apps]" && workbench chat'
+    assert quick[0] == 'pip install -c .ci/constraints.txt torch==2.13.0 -e ".[apps]" && workbench chat'
     assert quick[1] == "bash .ci/run"
     test_cmd = quick[2]
     assert test_cmd == "python -m pytest -q"
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert test_cmd in ci, "the README's test command must be the one .ci/run runs"
-    assert "python -m pip install -q torch==2.13.0" in ci
-    assert 'python -m pip install -q -e ".[apps,dev]"' in ci
+    assert 'python -m pip install -q "${pins[@]}" torch==2.13.0 -e ".[apps,dev]"' in ci
+    assert "pins=(-c .ci/constraints.txt)" in ci
+
+
+def pinned_versions() -> dict[str, str]:
+    pins = {}
+    for ln in (REPO / ".ci" / "constraints.txt").read_text().splitlines():
+        if ln and not ln.startswith("#"):
+            name, sep, version = ln.partition("==")
+            assert sep and version and " " not in ln, f".ci/constraints.txt: {ln!r} is not name==version"
+            pins[name.lower().replace("_", "-")] = version
+    return pins
+
+
+def test_constraints_pin_the_peers_and_tools_exactly():
+    pins = pinned_versions()
+    for peer in ("torch", "transformers", "kernels", "gradio", "gradio-client", "streamlit", "playwright",
+                 "pytest", "hypothesis", "tokenizers", "safetensors", "triton", "numpy", "pip"):
+        assert peer in pins, f".ci/constraints.txt does not pin {peer}"
+    assert pins["torch"] == "2.13.0"
+
+
+@pytest.mark.skipif(os.environ.get("WORKBENCH_PINNED") != "1", reason="only under .ci/run, which installs the pins")
+def test_ci_installed_exactly_the_pins():
+    import importlib.metadata
+
+    wrong = {}
+    for name, version in pinned_versions().items():
+        have = importlib.metadata.version(name).split("+")[0]
+        if have != version:
+            wrong[name] = (version, have)
+    assert not wrong, f"installed versions differ from .ci/constraints.txt (pinned, installed): {wrong}"
 
 
 def test_every_cli_example_parses():

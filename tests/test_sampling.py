@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_random_pair
+from tests.helpers import make_random_pair
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import workbench as wb
-from conftest import make_random_pair
-from test_doctor import PROMPTS, make_copy_pair
+from tests.helpers import make_random_pair
+from tests.test_doctor import PROMPTS, make_copy_pair
 from workbench.analysis.metrics import merge_stats
 from workbench.analysis.sweep import run_sweep
 

@@ -175,7 +175,7 @@ def test_row_stats_are_max_first_argmax_and_logsumexp(dtype):
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    from conftest import make_random_pair
+    from tests.helpers import make_random_pair
 
     vdir, ddir = make_random_pair(tmp_path_factory.mktemp("cpu"), seed=4, layers=3, aux_layer_ids=(0, 1, 2))
     return {dt: wb.load_pair(vdir, ddir, dtype=dt) for dt in ("float32", "bfloat16")}
