@@ -592,6 +592,7 @@ struct EaglePlan {
     int hidden, draft_vocab, limit, norm_before_residual, norm_output, dtype;
 };
 
+#if WB_AVX512
 namespace {
 thread_local std::vector<char> chain_buf;
 
@@ -600,6 +601,7 @@ void add_into(void* a, const void* b, size_t n, int dtype) {
     for (size_t i = 0; i < n; ++i) store(a, dtype, i, load(a, dtype, i) + load(b, dtype, i));
 }
 }  // namespace
+#endif
 
 // Proposals tokens_out [k] and each one's draft probability probs_out [k] for ids [T] (the tokens
 // after the verified positions start..start+T-1, as Eagle3Draft.greedy_chain's first pass takes
