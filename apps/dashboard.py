@@ -5,8 +5,9 @@
 
 This file is the router and the frame (Streamlit's `st.navigation` entrypoint): it draws the
 shared sidebar, loads the pair once per process and hands it to the page in `st.session_state`.
-The pair is shared by every session, so pages run generation (and the doctor's and fusion
-probes, which flip the pair's settings for a moment) only while holding its lock.
+The pair is shared by every session. Nothing changes it (each request has its own caches, and
+the doctor's and fusion probes run on weight-sharing variants), so pages use it freely; the Tuning
+page alone takes a lock, so that two sessions' timings do not slow each other.
 
 The pages live in `apps/views/`, not `apps/pages/`: a `pages/` folder beside the entrypoint
 switches Streamlit to its legacy multipage mode whenever the navigation flag is reset (every
@@ -35,7 +36,7 @@ def _cli_dirs() -> tuple[str, str]:
 
 @st.cache_resource(show_spinner="Loading the model pair (fp32, CPU) ...")
 def load(verifier: str, draft: str) -> tuple[wb.ModelPair, threading.Lock]:
-    """One pair (and its generation lock) per process and per pair of directories."""
+    """One pair (and the Tuning page's timing lock) per process and per pair of directories."""
     pair = wb.load_pair(verifier=verifier or None, draft=draft or None, device="cpu", dtype="float32")
     return pair, threading.Lock()
 
@@ -54,10 +55,10 @@ with st.sidebar:
 
 st.session_state["pair_key"] = f"{verifier or 'embedded'}|{draft or 'default'}"
 try:
-    st.session_state["pair"], st.session_state["lock"] = load(verifier, draft)
+    st.session_state["pair"], st.session_state["timing_lock"] = load(verifier, draft)
     st.session_state["pair_error"] = None
 except (ValueError, OSError, RuntimeError) as e:  # ConfigError, CheckpointError, PairingError are ValueErrors
-    st.session_state["pair"], st.session_state["lock"], st.session_state["pair_error"] = None, None, str(e)
+    st.session_state["pair"], st.session_state["timing_lock"], st.session_state["pair_error"] = None, None, str(e)
 
 with st.sidebar:
     pair = st.session_state["pair"]

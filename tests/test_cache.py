@@ -98,7 +98,7 @@ class SteeredEagle(wb.EagleProposer):
     replaced by a script, so that steps accept 0..k proposals on random weights."""
 
     def __init__(self, pair, script: ScriptedProposer) -> None:
-        super().__init__(pair.draft, attention=pair.resolve_attention("auto"))
+        super().__init__(pair.draft)
         self.script = script
 
     def reset(self, max_len: int) -> None:

@@ -118,9 +118,10 @@ def test_generation_and_first_proposals_match_the_engine(copy_dirs):
     hits = first_proposal_hits(pair, run.sequences)
     assert len(hits) == n_prompt + 6
     assert all(hits[n_prompt - 1:])  # over the output the draft always proposes the repeated token
-    with doctor.aux_ids(pair.verifier, (0, 1, 3)):  # the wrong capture: every first proposal misses there
-        assert not any(first_proposal_hits(pair, run.sequences)[n_prompt - 1:])
-        assert generate_run(pair, PROMPTS, k=2, max_new_tokens=4).accept_length == 1.0
+    wrong = pair.variant(verifier={"aux_layer_ids": (0, 1, 3)})  # the wrong capture: every first proposal misses
+    assert not any(first_proposal_hits(wrong, run.sequences)[n_prompt - 1:])
+    assert generate_run(wrong, PROMPTS, k=2, max_new_tokens=4).accept_length == 1.0
+    assert pair.verifier.aux_layer_ids == (1, 2, 4) and all(first_proposal_hits(pair, run.sequences)[n_prompt - 1:])
 
 
 def test_static_checks(copy_dirs):

@@ -92,7 +92,8 @@ def test_when_a_step_is_fused(fp32_pair):
     with pytest.raises(wb.RequestError, match="fused = 'yes'"):
         wb.SpecDecoder(pair, 3, fused="yes")
     a, b = wb.SpecDecoder(pair, 3, fused=True), wb.SpecDecoder(pair, 3, fused=True)
-    assert a.fused is b.fused and wb.SpecDecoder(pair, 4, fused=True).fused is not a.fused  # one per pair and k
+    assert a.fused is not b.fused and a.fused.fn is b.fused.fn  # each decoder's own state, one function per pair
+    assert a.step is a.fused and wb.SpecDecoder(pair, 4, fused=True).fused.k == 4
 
 
 def test_nan_logits_in_a_fused_step_raise_and_the_decoder_recovers():

@@ -9,7 +9,7 @@ import torch
 import workbench as wb
 from tests.helpers import make_random_pair
 from tests.test_doctor import PROMPTS, make_copy_pair
-from workbench.analysis.fusion import ablate_source, ablation_study, fc_blocks, inspect_fusion
+from workbench.analysis.fusion import ablated, ablation_study, fc_blocks, inspect_fusion
 
 
 @pytest.fixture(scope="module")
@@ -88,38 +88,31 @@ def test_ablation_measures_and_restores(copy_pair):
     json.dumps(rep.to_dict())
 
 
-def test_shuffle_draws_other_tokens_and_restores_on_error(random_pair):
+def test_shuffle_draws_other_tokens_on_a_variant_and_leaves_the_pair_alone(random_pair):
+    """The ablation is a weight-sharing variant of the pair: its fc sees source 1 shuffled (rows
+    drawn from other tokens, also from earlier calls) or zeroed; the pair's own draft is unchanged."""
     draft = random_pair.draft
+    before = {n: t.clone() for n, t in draft.state_dict().items()}
+    H = random_pair.verifier.config.hidden_size
+    first = [torch.arange(3 * H, dtype=torch.float32).view(1, 3, H) + 1000 * i for i in range(3)]
+    second = [torch.full((1, 1, H), -5.0 - i) for i in range(3)]
     seen = []
-
-    def recorder(aux):  # an override already on the instance: it must come back afterwards
-        seen.append([h.clone() for h in aux])
-        return draft.fc(torch.cat(list(aux), dim=-1))
-
-    draft.combine_hidden_states = recorder
-    try:
-        H = random_pair.verifier.config.hidden_size
-        first = [torch.arange(3 * H, dtype=torch.float32).view(1, 3, H) + 1000 * i for i in range(3)]
-        second = [torch.full((1, 1, H), -5.0 - i) for i in range(3)]
-        with pytest.raises(RuntimeError, match="inside"):
-            with ablate_source(draft, 1, "shuffle", seed=0):
-                draft.combine_hidden_states(first)
-                draft.combine_hidden_states(second)
-                raise RuntimeError("inside")
-        assert draft.combine_hidden_states is recorder
-        out1, out2 = seen
-        assert torch.equal(out1[0], first[0]) and torch.equal(out1[2], first[2])  # other sources untouched
-        pool = [first[1][0, t] for t in range(3)]
-        for t in range(3):  # every row is another token's row of source 1
-            assert any(torch.equal(out1[1][0, t], pool[j]) for j in range(3) if j != t)
-        assert any(torch.equal(out2[1][0, 0], row) for row in pool)  # a one-token call draws from earlier tokens
-        with ablate_source(draft, 0, "zero"):
-            draft.combine_hidden_states(second)
-        assert torch.equal(seen[-1][0], torch.zeros(1, 1, H))
-    finally:
-        del draft.combine_hidden_states
+    shuffled = ablated(random_pair, 1, "shuffle", seed=0).draft
+    shuffled.fc.fc.register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()))
+    shuffled.combine_hidden_states(first)
+    shuffled.combine_hidden_states(second)
+    out1, out2 = (x.view(*x.shape[:2], 3, H) for x in seen)
+    assert torch.equal(out1[..., 0, :], first[0]) and torch.equal(out1[..., 2, :], first[2])  # other sources untouched
+    pool = [first[1][0, t] for t in range(3)]
+    for t in range(3):  # every row is another token's row of source 1
+        assert any(torch.equal(out1[0, t, 1], pool[j]) for j in range(3) if j != t)
+    assert any(torch.equal(out2[0, 0, 1], row) for row in pool)  # a one-token call draws from earlier tokens
+    zeroed = ablated(random_pair, 0, "zero").draft
+    want = draft.fc(torch.cat([torch.zeros(1, 1, H), second[1], second[2]], dim=-1))
+    assert torch.equal(zeroed.combine_hidden_states(second), want)
     for bad in (dict(source=3), dict(source=0, mode="noise")):
         with pytest.raises(ValueError, match="source|mode"):
-            with ablate_source(draft, **bad):
-                pass
-    assert "combine_hidden_states" not in draft.__dict__
+            ablated(random_pair, **bad)
+    assert draft.combine_hidden_states(second).equal(random_pair.draft.fc(torch.cat(second, dim=-1)))
+    assert all(torch.equal(before[n], t) for n, t in draft.state_dict().items())
+    assert "combine_hidden_states" not in draft.__dict__ and type(draft.fc) is torch.nn.Linear

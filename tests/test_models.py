@@ -226,39 +226,57 @@ def moe_layer(experts: int, top_k: int, seed: int):
     return moe
 
 
+def moe_twins(moe) -> dict:
+    """The MoE as every path runs it: the plain model (its one loop), the compiled copy's gathered
+    experts (run eagerly here), and the CPU kernels' dense experts where they run on this machine."""
+    from workbench.compiled import GatheredMoE
+    from workbench.kernels import cpu
+    from workbench.kernels.cpu_modules import KernelMoE
+    from workbench.variants import shallow_copy
+
+    gathered = shallow_copy(moe)
+    gathered.__class__ = GatheredMoE
+    twins = {"plain": moe, "gathered": gathered}
+    if cpu.available():
+        twins["kernels"] = KernelMoE.of(moe)
+    return twins
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("experts, top_k, dense", [(8, 2, True), (16, 2, False)])
 def test_moe_inference_paths_equal_the_per_expert_loop(experts, top_k, dense):
-    """Few experts run densely (unchosen ones weighted by zero), many are gathered or looped: every
-    inference path equals the per-expert loop that training runs, for 1, 4 and 40 tokens."""
+    """Few experts run densely on the CPU kernels (unchosen ones weighted by zero), many are
+    gathered when compiled or looped: every path equals the per-expert loop that training runs,
+    for 1, 4 and 40 tokens."""
     moe = moe_layer(experts, top_k, seed=11)
-    assert moe.dense_inference is dense
+    twins = moe_twins(moe)
+    assert (twins.get("kernels") is not None) is (dense and "kernels" in twins)  # the kernels take few experts only
     for n in (1, 4, 40):
         x = torch.randn(n, 48, generator=torch.Generator().manual_seed(n))
-        with torch.enable_grad():  # the training path's own arithmetic (no CPU kernels under autograd)
+        with torch.enable_grad():  # the training path's own arithmetic
             weights, ids = moe.gate(x)
-            loop = (moe._loop_experts(x, weights, ids) + moe.shared_experts(x)).detach()
-        assert max_diff(moe(x), loop) <= ATOL  # n <= 16 on the CPU kernels where they build, 40 on torch's
+            loop = (moe.routed_experts(x, weights, ids) + moe.shared_experts(x)).detach()
         assert loop.abs().max() > 0.1
+        for name, twin in twins.items():
+            if twin is not None:
+                assert max_diff(twin(x), loop) <= ATOL, (name, n)  # 40 rows: the kernels' own fallback, the loop
         with torch.enable_grad():
             assert torch.equal(moe(x), loop)  # training takes the loop itself
-    moe.dense_inference = not dense  # the other path, with its own layout of the stacked weights
-    x = torch.randn(4, 48)
-    assert max_diff(moe(x), moe._loop_experts(x, *moe.gate(x)) + moe.shared_experts(x)) <= ATOL
 
 
 @torch.no_grad()
 def test_dense_moe_ignores_unchosen_experts_even_when_they_overflow():
-    """An expert no token chooses contributes exact zeros, not 0 * inf = NaN."""
+    """An expert no token chooses contributes exact zeros, not 0 * inf = NaN, on every path."""
     moe = moe_layer(8, 2, seed=12)
     moe.gate.e_score_correction_bias[0] = -1e4  # expert 0 is never chosen...
     moe.experts[0].up_proj.weight.fill_(float("inf"))  # ...and would overflow if it ran
     x = torch.randn(4, 48)
     weights, ids = moe.gate(x)
     assert not (ids == 0).any()
-    out = moe(x)
-    assert torch.isfinite(out).all()
-    assert max_diff(out, moe._loop_experts(x, weights, ids) + moe.shared_experts(x)) <= ATOL
+    for name, twin in moe_twins(moe).items():
+        out = twin(x)
+        assert torch.isfinite(out).all(), name
+        assert max_diff(out, moe.routed_experts(x, weights, ids) + moe.shared_experts(x)) <= ATOL, name
 
 
 # --------------------------------------------------------------------------- the draft vs the spec

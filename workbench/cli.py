@@ -31,9 +31,10 @@ def _pair_args(p: argparse.ArgumentParser, dtype_default: str | None = "float32"
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=dtype_default, help="float32 | bfloat16 | float16")
     p.add_argument("--attention", default="auto", choices=["torch", "triton", "auto"])
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the per-token forwards: faster decoding after a slow start "
-                        "(minutes on a small CPU, while the graphs compile)")
+    p.add_argument("--fast", default="auto", choices=["auto", "cpu", "compile", "off"],
+                   help="the path the models run on: the CPU kernels (auto, where they run), torch.compile'd "
+                        "per-token graphs (minutes to start on a small CPU), or plain PyTorch")
+    p.add_argument("--compile", action="store_true", help="the same as --fast compile")
 
 
 def _fused_arg(p: argparse.ArgumentParser) -> None:
@@ -49,8 +50,9 @@ def _load(args):
     import workbench as wb
 
     dtype = args.dtype or default_dtype(args.device)
-    pair = wb.load_pair(verifier=args.verifier, draft=args.draft, device=args.device, dtype=dtype)
-    return pair.compile() if args.compile else pair
+    fast = "compile" if args.compile else args.fast
+    return wb.load_pair(verifier=args.verifier, draft=args.draft, device=args.device, dtype=dtype, fast=fast,
+                        attention=args.attention)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -132,7 +134,7 @@ def _bench_text(r: dict) -> str:
              + (", graphs: {hits} from inductor's cache, {misses} compiled, {bypasses} not cacheable".format(**r["graph_cache"])
                 if r["compiled"] else "") + ")",
              f"on {m['cpu'] or 'an unknown CPU'} ({m['cores']} cores, {m['torch_cpu_capability']}, "
-             f"fast bf16: {m['fast_bf16']}), torch {m['torch']}; CPU kernels {r['cpu_kernels'].split(':')[0]}",
+             f"fast bf16: {m['fast_bf16']}), torch {m['torch']}; models: {r['fast_path']}",
              f"accept length {r['accept_length']:.3f}  per-position {[round(x, 3) for x in r['per_position_acceptance']]}",
              f"speculative {r['spec_tokens_per_s']:.1f} tok/s  autoregressive {r['ar_tokens_per_s']:.1f} tok/s  "
              f"speedup {r['speedup']:.2f}x (median per prompt {r['speedup_median']:.2f}x)",
@@ -148,8 +150,8 @@ def _bench_text(r: dict) -> str:
                      f"a verify of {r['k'] + 1} {p['verify_ms']:.2f} ms ({p['verify_decodes']:.2f} decodes), drafting "
                      f"{p['draft_ms']:.2f} ms ({p['draft_decodes']:.2f}), a step {p['step_ms']:.2f} ms "
                      f"({p['step_decodes']:.2f}): at most {p['speedup_if_all_accepted']:.2f}x; "
-                     f"verify then drafting, back to back {p['verify_then_draft_ms']:.2f} ms "
-                     f"({p['verify_then_draft_decodes']:.2f})")
+                     f"its own verify and drafting {p['verify_then_draft_ms']:.2f} ms "
+                     f"({p['verify_then_draft_decodes']:.2f}), the rest host work")
     for name, peer in r.get("peers", {}).items():
         lines.append(f"peer {name}: {peer.get('tokens_per_s', float('nan')):.1f} tok/s; ours/peer "
                      f"{peer.get('ours_over_peer', float('nan')):.2f}x {peer.get('note', '')}")

@@ -1,57 +1,20 @@
-"""torch.compile for the forwards that run once per token: gpt-fast's recipe, on the CPU too.
+"""torch.compile as a transform of a plain model: `compile_models(verifier, draft)`.
 
-At the tiny pair's size a decode step is a few hundred small ops and each costs more in
-dispatch than in arithmetic (measured here, one thread: a 1x256 @ 256x256 matmul takes ~8 us
-in fp32 and ~40 us in bf16, where the arithmetic is well under 1 us). Compiling the verifier's
-decode/verify forward (1 to `ABSORB_MAX_TOKENS` new tokens over the cache) and the draft's
-greedy chain (first pass + k-1 steps + their lm_heads, one graph) fuses the elementwise work
-into generated C++; inductor's `freezing` makes every weight a constant; `max_autotune` with
-the CPP GEMM backend generates each linear as C++ over weights packed once, where oneDNN's
-prepacked linear cost 40-80 us a call at these sizes (profiled on the embedded pair: a 1-token
-verifier step went from 3.2-4.3 ms to 1.8-2.5 ms, medians of 200 calls); and the C++ wrapper
-calls the kernels without Python in between. `compile_function` compiles the same way a step
-that spans two models (the fused greedy step's acceptance and drafting, workbench.decoding.fused).
-Prefill and training stay eager: they are not per-token costs (and the prefill's expert loop is
-data-dependent; compiled, a prompt's prefill took 4-7 ms against 13-19 eager, but its graphs
-added 133 s of compiling to every process, so it was not kept).
+gpt-fast's recipe, on the CPU too: the forwards that run once per token (a decode or a verify of
+up to `ABSORB_MAX_TOKENS` over the cache, and the draft's greedy chain with its fc) run compiled
+graphs, with inductor's `freezing` (every weight a constant), its C++ GEMMs over weights packed
+once (`gemm_backends`) and its C++ wrapper; prefill and training stay eager.
 
-One graph per model serves every number of new tokens, 1 included: shapes are dynamic and
-size-oblivious (torch would otherwise specialise T = 1 into a graph of its own), and where a
-matmul's kernel would depend on T the models use plain reductions when compiling, and the
-attention reads its keys in whole blocks (`workbench.kernels.reference.keys_in_blocks`: a sum
-over exactly n keys put a row's last keys in a scalar tail where n said, and a verify's n is not
-its rows' decode n). So a 1-token decode and a k+1-token verify run the same kernels and round
-each row identically, in bf16 (64 of 64 embedded-pair bench prompts equal at 128 and at 512
-tokens) and in fp32 (tests/test_compiled.py checks both, logits and cache rows). A guard on
-T = 1 anywhere in the graph breaks this silently, as a second graph for the verify: in fp32 one
-came from a strided view that bf16's casts had hidden (models/mla.py, q_lat), and the tests
-count graphs for that reason. With oneDNN's linears one dependency remained,
-weights prepacked for the batch size of a graph's first call; the CPP GEMMs have none measured:
-compiled 1-token-first on the embedded pair, 1-row and 4-row verifier logits were identical on
-all 576 rows checked (12 prompts x 48 tokens). Compiled and eager bf16 round differently from
-each other: compare like with like.
-Inductor's on-disk graph cache (`TORCHINDUCTOR_CACHE_DIR`) keeps the compiled graphs, so only a
-machine's first start with a pair pays the whole compile. The embedded pair, 2 cores: the first
-`SpecDecoder` generation of a process took 307 s with an empty cache and 71-80 s with a warm one
-(fp32, AVX2); the bench's warm-up, 287 s and then 68 s in a second process, the same tokens
-(bf16, AVX512-BF16). Dynamo still traces and freezes every graph; inductor's lowering, code
-generation and C++ compilation are what the cache saves. Two things stood in its way, and `_graph_cache_key`
-and `_cacheable_onednn_weights` remove them for our compiles only:
-- Inductor refused every graph holding oneDNN-packed weights (freezing packs each linear's weight
-  so, before the C++ GEMMs repack it), as such tensors cannot be pickled. With freezing, the cache
-  never pickles frozen weights: it stores their names and takes their values from the graph being
-  compiled on a hit, so such a weight needs only a cache key, its shape and dtype.
-- The cache keys frozen weights by shape and dtype alone, while the C++ GEMMs' packed copies of
-  them are stored in the entry: another checkpoint of the same shapes would run this one's weights.
-  A digest of every tensor the models hold (`weights_digest`) therefore joins each graph's key.
-The cache unpickles its entries as it loads the C++ it compiled: files this machine's torch wrote,
-not weights from elsewhere. `TORCHINDUCTOR_FX_GRAPH_CACHE=0` turns it off.
+One graph per model serves every number of new tokens, 1 included (dynamic, size-oblivious
+shapes), so a 1-token decode and a k+1-token verify run the same kernels and round each row alike,
+in bf16 too. Two twins of the models' modules make that so inside the graphs (eager calls of the
+compiled copy run the models' own code): `RowInvariantLatentAttention` (reductions where a
+matmul's kernel would depend on T, keys read in whole blocks) and `GatheredMoE` (the chosen
+experts' weights gathered in the graph, where the models' loop over experts would break it).
+A guard on T = 1 anywhere in the graph would break it silently, as a second graph for the verify;
+the tests count graphs for that reason. Measurements: docs/PERFORMANCE.md.
 
-After each of our compiles the garbage collector is told to leave the objects alive then alone
-(`_freeze_heap`): otherwise its full collections walk the compiler's heap during decoding.
-
-Weights become constants of the compiled graphs: a model whose weights change after
-`compile_model` must be compiled again (training never uses this path).
+Weights become constants of the graphs: after a weight changes, compile the plain model again.
 """
 from __future__ import annotations
 
@@ -66,20 +29,18 @@ import types
 
 import torch
 import torch.fx.experimental._config as fx_config
+from torch import Tensor
 
-from workbench.models.mla import ABSORB_MAX_TOKENS
+from workbench.models.mla import ABSORB_MAX_TOKENS, LatentAttention
+from workbench.models.moe import MoE
+from workbench.variants import copy_modules, shallow_copy
 
-__all__ = ["CompiledForward", "compile_function", "compile_model", "gemm_backends", "is_compiled", "weights_digest"]
+__all__ = ["CompiledForward", "compile_function", "compile_models", "gemm_backends", "is_compiled", "weights_digest"]
 
 
-# What our graphs compile with. `freezing` must be set while inductor compiles (torch.compile's
-# `options` do not reach it); the GEMM backend (per model dtype, `gemm_backends`), the C++
-# wrapper and the shape settings are compile-time choices too (module docstring). Floats are
-# specialised: otherwise dynamo makes a float of the frame a graph input, fails to keep it one
-# and restarts the whole trace (103 of 355 s of the embedded pair's warm-up). All of these are
-# applied from dynamo's compile-start callback, only for compiles inside a CompiledForward call:
-# patching the configs around every call instead cost ~60 us a call, a few percent of a decode
-# step.
+# What our graphs compile with, applied from dynamo's compile-start callback to our compiles only
+# (`freezing` must be set while inductor compiles; patching around every call cost ~60 us a call).
+# Floats are specialised: otherwise dynamo restarts whole traces on the frame's floats.
 _SETTINGS = ({"freezing": True, "cpp_wrapper": True, "max_autotune": True},
              {"backed_size_oblivious": True, "use_duck_shape": False},
              {"specialize_float": True})
@@ -118,16 +79,8 @@ def _on_compile_end(_args=None) -> None:
 
 
 def _freeze_heap() -> None:
-    """Move every object alive now out of the cyclic garbage collector's reach (`gc.freeze`).
-
-    After the embedded pair's warm-up the process holds ~650k tracked objects (~300k before its
-    graphs compiled: graphs, guards and generated code are the rest), and each full collection
-    walked them all again: before this, 21% of a speculative run's main-thread samples were in
-    the collector (py-spy), and freezing after the warm-up made both decoders faster in one
-    process (speculative 711-800 -> 944 tok/s, autoregressive 552-575 -> 641). vLLM freezes after
-    its warm-up for the same reason. Objects alive now are still freed by reference counting;
-    garbage cycles among them wait for the process's exit (`_register_callbacks` unfreezes then).
-    """
+    """Keep the objects alive after a compile out of the cyclic collector's reach (`gc.freeze`):
+    its full collections otherwise walk the compiler's heap during decoding (vLLM does the same)."""
     gc.collect()
     gc.freeze()
 
@@ -159,7 +112,8 @@ def weights_digest(*models: torch.nn.Module) -> str:
 
 def _graph_cache_key(digest: str):
     """A post-grad pass that changes nothing: inductor puts a custom pass's `uuid()` in each
-    graph's cache key, which is how the weights' digest gets there (module docstring)."""
+    graph's cache key, which is how the weights' digest gets there (the cache keys frozen weights
+    by shape alone, and its entries hold the C++ GEMMs' packed copies of them)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class WeightsKey(CustomGraphPass):
@@ -173,12 +127,11 @@ def _graph_cache_key(digest: str):
 
 
 def _cacheable_onednn_weights() -> None:
-    """Let inductor's graph cache hold our graphs' frozen oneDNN-packed weights (module docstring).
-
-    Only while one of our compiles runs (`_inside.active`), whose keys carry the weights' digest;
-    any other compile in the process keeps inductor's own rules. On a torch without these
-    internals nothing changes: such graphs are then compiled afresh in every process, as before.
-    """
+    """The one patch of inductor internals: its on-disk graph cache refuses graphs holding frozen
+    oneDNN-packed weights, so a second process compiled everything again (measured: 287 s against
+    68 s for the embedded pair's warm-up). With freezing the cache stores only such a weight's
+    name, so our compiles (`_inside.active`, whose keys carry the weights' digest) key it by shape
+    and dtype. On a torch without these internals nothing changes."""
     try:
         from torch._inductor import codecache
         from torch._inductor.freezing_utils import is_frozen_param
@@ -198,7 +151,7 @@ def _cacheable_onednn_weights() -> None:
             check(t)
 
     def reduce_tensor(self, t: torch.Tensor):
-        if ours(t):  # keyed like any frozen weight, by its metadata; its values are in the digest
+        if ours(t):
             return ident, (("frozen oneDNN weight", tuple(t.shape), str(t.dtype)),)
         return reduce(self, t)
 
@@ -227,11 +180,8 @@ class CompiledForward:
         _register_callbacks()
         self.eager = fn
         self.signature = inspect.signature(self.eager)
-        # Module attributes never change under this wrapper (weights are frozen into the graph),
-        # so dynamo's per-parameter guards are skipped: they cost more than a decode step's kernels.
-        # Skipped, nothing tells two modules of one class apart (`self` keeps a type guard only),
-        # and dynamo keeps its graphs per code object: a second pair of the same shapes would run
-        # the first one's frozen weights. So each wrapper compiles its own copy of the code.
+        # Weights are frozen into the graph, so dynamo's per-parameter guards (dearer than a decode's
+        # kernels) are skipped; then only a code object of its own keeps a second pair's graphs apart.
         self.compiled = _compile(types.MethodType(_own_function(fn.__func__), fn.__self__))
         self.backends = gemm_backends(next(fn.__self__.parameters()).dtype)
         self.calls = {"compiled": 0, "eager": 0}
@@ -240,8 +190,7 @@ class CompiledForward:
         # A cache holding fewer than 2 tokens is a prefill (or the step after a 1-token prompt): eager.
         cache = args.get("cache")
         return (cache is not None and cache.length >= 2 and args["input_ids"].shape[1] <= ABSORB_MAX_TOKENS
-                and args.get("attention", "torch") == "torch" and args.get("path", "auto") != "naive"
-                and not torch.is_grad_enabled())
+                and args.get("path", "auto") != "naive" and not torch.is_grad_enabled())
 
     def __call__(self, *args, **kwargs):
         bound = self.signature.bind(*args, **kwargs)
@@ -249,12 +198,10 @@ class CompiledForward:
             self.calls["eager"] += 1
             return self.eager(*args, **kwargs)
         self.calls["compiled"] += 1
-        # One graph for every number of new tokens, so that a 1-token decode and a k+1-token
-        # verify run the same kernels and round each row alike (in bf16 a greedy near-tie would
-        # otherwise flip): no logits_to_keep variant (its rows are cut here instead), and no
-        # specialising T = 1 (size-oblivious shapes, no duck sizing). The model's own code uses
-        # reductions where a matmul's kernel would depend on T (models/mla.py).
+        # One graph for every number of new tokens: no logits_to_keep variant (rows are cut here instead).
         keep = bound.arguments.pop("logits_to_keep", 0)
+        for name, value in bound.arguments.items():  # a slice's strides would fail the graph's stride guards
+            bound.arguments[name] = _contiguous(value)
         # dynamo, if it compiles during this call, applies _SETTINGS, this model's GEMM backend and its weights' digest
         _inside.active, _inside.backends, _inside.models = True, self.backends, (self.eager.__self__,)
         try:
@@ -264,6 +211,14 @@ class CompiledForward:
         if keep:
             out = dataclasses.replace(out, logits=out.logits[:, -keep:], hidden_states=out.hidden_states[:, -keep:])
         return out
+
+
+def _contiguous(value):
+    if isinstance(value, Tensor):
+        return value.contiguous()
+    if isinstance(value, tuple) and all(isinstance(v, Tensor) for v in value):
+        return tuple(v.contiguous() for v in value)
+    return value
 
 
 def compile_function(fn, dtype: torch.dtype = torch.float32):
@@ -307,17 +262,92 @@ def _own_function(func):
     return own
 
 
-def compile_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Route `model`'s small cached inference steps through torch.compile (in place; returns it).
+def keys_in_blocks(rows: Tensor, seq_lens: Tensor, n: int) -> tuple[Tensor, int]:
+    """The first n of rows [B, S, L+R] as [B, n', L+R] for n' = n rounded up to whole KEY_BLOCKs,
+    zeroed past each sequence's length, and n'. Inductor's C++ sums a reduction over n keys as whole
+    16-lane vectors and a scalar tail, and a verify's n is not its rows' decode n; over zero-padded
+    whole blocks every row gets the same vectors whichever call computes it (the extra terms are
+    exact zeros). An index read, not a slice: a slice of a traced length has an unbacked size."""
+    n = (n + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
+    pos = torch.arange(n, device=rows.device)
+    kv = rows[:, pos.clamp(max=rows.shape[1] - 1)]
+    return torch.where((pos[None, :] < seq_lens[:, None])[..., None], kv, torch.zeros_like(kv)), n
 
-    Compilation itself happens lazily, on the first call of each shape family; see the module
-    docstring for what is compiled and what stays eager. Calling it twice is a no-op.
-    """
-    if not is_compiled(model):
+
+KEY_BLOCK = 64  # keys_in_blocks
+
+
+def row_invariant_attention(q_lat: Tensor, q_pe: Tensor, rows: Tensor, seq_lens: Tensor, bound: int,
+                            scale: float) -> Tensor:
+    """`latent_attention`'s output in plain reductions over whole key blocks (`keys_in_blocks`): in a
+    graph, the same code for each row whatever the number of new tokens (a matmul's would depend on T)."""
+    T, L = q_lat.shape[1], q_lat.shape[-1]
+    kv, n = keys_in_blocks(rows, seq_lens, bound)
+    kv = kv.float()
+    q = torch.cat([q_lat, q_pe.contiguous()], dim=-1).float()
+    scores = (q[:, :, :, None, :] * kv[:, None, None]).sum(-1) * scale  # [B, T, N, n]
+    limit = seq_lens[:, None] - (T - 1 - torch.arange(T, device=rows.device))[None, :]
+    visible = torch.arange(n, device=rows.device)[None, None, :] < limit[:, :, None]
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return (probs[..., None] * kv[:, None, None, :, :L]).sum(-2).to(q_lat.dtype)
+
+
+class RowInvariantLatentAttention(LatentAttention):
+    """`LatentAttention` in plain reductions inside a compiled graph; eager, the models' own."""
+
+    def forward(self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, seq_len: int | Tensor, bound: int, w_uk: Tensor,
+                w_uv: Tensor, scale: float) -> Tensor:
+        if not torch.compiler.is_compiling():
+            return super().forward(q_nope, q_pe, rows, seq_len, bound, w_uk, w_uv, scale)
+        B, T = q_nope.shape[:2]
+        # contiguous(): in fp32 `.float()` is a no-op, and inductor specialised T = 1 on this split's strides
+        q_lat = (q_nope.float().contiguous()[..., None] * w_uk.float()).sum(-2).to(q_nope.dtype)
+        if isinstance(seq_len, Tensor):
+            seq_lens = seq_len.to(torch.int32).reshape(1).expand(B)
+        else:
+            seq_lens = torch.full((B,), seq_len, dtype=torch.int32, device=rows.device)
+        o_lat = row_invariant_attention(q_lat, q_pe, rows, seq_lens, bound, scale)
+        return (o_lat.float()[:, :, :, None, :] * w_uv.float()).sum(-1).to(o_lat.dtype).reshape(B, T, -1)
+
+
+class GatheredMoE(MoE):
+    """The chosen experts' weights gathered for a few tokens inside a compiled graph, stacked from
+    the parameters there (freezing folds the stack into constants); eager, the models' own loop."""
+
+    def routed_experts(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        if not torch.compiler.is_compiling() or x.shape[0] > 32:
+            return super().routed_experts(x, weights, ids)
+        gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+        down = torch.stack([e.down_proj.weight for e in self.experts])
+        n, k = ids.shape
+        h = torch.bmm(gate_up[ids.flatten()], x.repeat_interleave(k, 0)[:, :, None])  # [n*k, 2I, 1]
+        g, u = h.squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(down[ids.flatten()], (torch.nn.functional.silu(g) * u)[:, :, None]).squeeze(-1)  # [n*k, H]
+        return (y.view(n, k, -1) * weights[:, :, None].to(x.dtype)).sum(1)
+
+
+def _compile_twin(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    twin = {LatentAttention: RowInvariantLatentAttention, MoE: GatheredMoE}.get(type(module))
+    if twin is None:
+        return None
+    new = shallow_copy(module)
+    new.__class__ = twin
+    return new
+
+
+def compile_models(*models: torch.nn.Module, memo: dict | None = None) -> tuple[torch.nn.Module, ...]:
+    """Copies of plain `models` (a verifier, then its draft) whose small cached inference steps run
+    torch.compile'd graphs; the models given are unchanged. Each graph compiles on its first call.
+    `memo` as in `workbench.variants.copy_modules`."""
+    memo = {} if memo is None else memo
+    out = tuple(copy_modules(m, _compile_twin, memo) for m in models)
+    for model in out:
         model.forward = CompiledForward(model.forward)
-        if hasattr(model, "greedy_chain"):  # a draft's k greedy steps, one graph (models/draft.py)
+        if hasattr(model, "greedy_chain"):  # a draft's k greedy steps, one graph
             model.greedy_chain = CompiledForward(model.greedy_chain)
-    return model
+    return out
 
 
 def is_compiled(model: torch.nn.Module) -> bool:

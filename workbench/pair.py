@@ -16,7 +16,12 @@ import torch
 from workbench.cache import KVCache
 from workbench.checkpoint import SafetensorsReader, draft_name, load_state, verifier_name
 from workbench.config import ConfigError, DraftConfig, load_draft_config, load_verifier_config
+from workbench.fast import FastPath, apply, choose
+from workbench.kernels import resolve_backend
 from workbench.models import Eagle3Draft, Verifier
+from workbench.variants import variant
+
+OFF = FastPath("off", "torch", "plain PyTorch models")
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED = ASSETS / "tiny-kimi"
@@ -78,6 +83,14 @@ def load_draft(directory: str | Path, verifier: Verifier, device: str | torch.de
 
     Sets the verifier's aux layer ids to the draft's, so the verifier captures what the draft fuses.
     """
+    draft = _read_draft(directory, verifier, device, dtype)
+    verifier.aux_layer_ids = draft.config.aux_layer_ids
+    return draft
+
+
+def _read_draft(directory: str | Path, verifier: Verifier, device: str | torch.device | None = None,
+                dtype: str | torch.dtype | None = None) -> Eagle3Draft:
+    """`load_draft` without touching the verifier."""
     device = torch.device(device) if device is not None else verifier.device
     dtype = _dtype(dtype, device) if dtype is not None else verifier.dtype
     vcfg = verifier.config
@@ -96,7 +109,6 @@ def load_draft(directory: str | Path, verifier: Verifier, device: str | torch.de
         raise PairingError(f"{directory}: the draft ships no lm_head but draft_vocab_size = {cfg.draft_vocab_size} "
                            f"differs from the verifier's vocab_size = {vcfg.vocab_size}; expected its own lm_head")
     draft.share(verifier.model.embed_tokens, verifier.lm_head)
-    verifier.aux_layer_ids = cfg.aux_layer_ids
     draft.source = str(directory)
     return draft.eval()
 
@@ -122,7 +134,12 @@ def check_pairing(dcfg: DraftConfig, vcfg, draft_dir="draft", verifier_dir="veri
 
 @dataclass
 class ModelPair:
-    """A verifier, its draft (or None) and their tokenizer: what the engine and apps run on."""
+    """A verifier, its draft (or None) and their tokenizer: what the engine and apps run on.
+
+    `verifier` and `draft` are what runs: the plain models, or their copies on a fast path
+    (`workbench.fast`; `status()` says which and why). `plain` holds the plain models they came
+    from, which `reference()`, `variant()` and every other path start from.
+    """
 
     verifier: Verifier
     draft: Eagle3Draft | None
@@ -130,6 +147,12 @@ class ModelPair:
     verifier_dir: str
     draft_dir: str | None
     info: dict = field(default_factory=dict)
+    path: FastPath = OFF
+    plain: tuple = ()  # (verifier, draft) as loaded; empty: `verifier` and `draft` are plain
+
+    def __post_init__(self) -> None:
+        if not self.plain:
+            self.plain = (self.verifier, self.draft)
 
     @property
     def device(self) -> torch.device:
@@ -158,44 +181,92 @@ class ModelPair:
     def verifier_cache(self, max_len: int) -> KVCache:
         return self.verifier.new_cache(max_len)
 
-    def resolve_attention(self, attention: str) -> str:
-        from workbench.kernels import resolve_backend
-
-        return resolve_backend(attention, self.device)
+    def status(self) -> str:
+        """Which path runs the models, and why."""
+        return self.path.describe()
 
     @property
     def compiled(self) -> bool:
-        from workbench.compiled import is_compiled
+        return self.path.name == "compile"
 
-        return is_compiled(self.verifier)
+    @property
+    def attention(self) -> str:
+        return self.path.attention
+
+    def _on(self, path: FastPath, verifier: Verifier | None = None, draft: Eagle3Draft | None = None,
+            draft_dir: str | None = None) -> "ModelPair":
+        v, d = verifier or self.plain[0], draft if draft is not None else self.plain[1]
+        fast = apply(path, *([v] if d is None else [v, d]))
+        return ModelPair(fast[0], fast[1] if d is not None else None, self.tokenizer, self.verifier_dir,
+                         draft_dir if draft is not None else self.draft_dir, dict(self.info), path, (v, d))
+
+    def with_path(self, fast: str = "auto", attention: str = "auto") -> "ModelPair":
+        """The same plain models on another path (`workbench.fast.choose`)."""
+        path = choose(fast, self.device, self.dtype, attention)
+        return self if path == self.path else self._on(path)
+
+    def with_attention(self, attention: str) -> "ModelPair":
+        """This pair with the absorbed attention on `attention` ("auto" keeps this pair's path
+        unless the device asks for Triton; "torch" this pair's path; "triton" the plain models with it)."""
+        backend = resolve_backend(attention, self.device)
+        if backend == self.path.attention:
+            return self
+        cached = self.__dict__.setdefault("_by_attention", {})
+        if backend not in cached:
+            cached[backend] = self.with_path("off" if backend == "triton" else "auto", backend)
+        return cached[backend]
+
+    def reference(self) -> "ModelPair":
+        """The plain models, as a pair (the oracle every fast path is tested against)."""
+        return self if self.path == OFF else self._on(OFF)
 
     def compile(self) -> "ModelPair":
-        """torch.compile the verifier's and the draft's per-token forwards (`workbench.compiled`); returns self.
+        """Run the per-token forwards as torch.compile'd graphs (`workbench.compiled`); returns self.
 
-        Any dtype: one compiled graph serves 1 and k+1 new tokens with the same kernels, so in
-        bf16 too greedy speculative output equals compiled autoregressive output, up to exact
-        logit ties (see `workbench.compiled` on weight packing). Compiled and eager bf16 round
+        One compiled graph serves 1 and k+1 new tokens with the same kernels, so greedy speculative
+        output equals compiled autoregressive output in bf16 too. Compiled and eager bf16 round
         differently from each other: compare like with like.
         """
-        from workbench.compiled import compile_model
-
-        for model in (self.verifier, self.draft):
-            if model is not None:
-                compile_model(model)
+        if not self.compiled:
+            other = self._on(choose("compile", self.device, self.dtype, "torch"))
+            self.verifier, self.draft, self.path = other.verifier, other.draft, other.path
         return self
+
+    def variant(self, verifier: dict | None = None, draft: dict | None = None) -> "ModelPair":
+        """A pair on copies of the plain models with settings changed (`workbench.variants.variant`),
+        sharing every weight: what the doctor's and the fusion analysis' probes run, so the models
+        the caller holds never change. On this pair's path, except that a compiled pair's variants
+        run eagerly (a variant would compile its graphs again)."""
+        v, d = self.plain
+        memo: dict = {}
+        v2 = variant(v, verifier or {}, memo)
+        d2 = variant(d, draft or {}, memo) if d is not None else None
+        path = self.path if not self.compiled else choose("auto", self.device, self.dtype, "torch")
+        return self._on(path, v2, d2, self.draft_dir)
 
     def with_draft(self, draft_dir: str | Path | None) -> "ModelPair":
         """The same verifier with another draft (None: no draft), e.g. the MHA twin."""
-        draft = load_draft(draft_dir, self.verifier) if draft_dir else None
-        pair = ModelPair(self.verifier, draft, self.tokenizer, self.verifier_dir,
-                         str(draft_dir) if draft_dir else None, dict(self.info))
-        return pair.compile() if self.compiled else pair  # the shared verifier is compiled already
+        if not draft_dir:
+            return ModelPair(self.verifier, None, self.tokenizer, self.verifier_dir, None, dict(self.info), self.path,
+                             (self.plain[0], None))
+        v = self.plain[0]
+        d = _read_draft(draft_dir, v)
+        if tuple(d.config.aux_layer_ids) != tuple(v.aux_layer_ids):  # the verifier must capture what it fuses
+            return self._on(self.path, variant(v, {"aux_layer_ids": d.config.aux_layer_ids}), d, str(draft_dir))
+        memo = {id(a): b for a, b in zip(v.modules(), self.verifier.modules())}  # keep this pair's fast verifier
+        fast = apply(self.path, d, memo=memo)[0]
+        return ModelPair(self.verifier, fast, self.tokenizer, self.verifier_dir, str(draft_dir), dict(self.info),
+                         self.path, (v, d))
 
 
 def load_pair(verifier: str | Path | None = None, draft: str | Path | None = None,
               device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-              no_draft: bool = False) -> ModelPair:
-    """The embedded tiny-kimi pair by default; any verifier/draft directories otherwise."""
+              no_draft: bool = False, fast: str = "auto", attention: str = "auto") -> ModelPair:
+    """The embedded tiny-kimi pair by default; any verifier/draft directories otherwise.
+
+    `fast` picks the path the models run on ("auto", "cpu", "compile", "off"; `workbench.fast`),
+    `attention` the absorbed attention's backend where the plain modules run.
+    """
     from workbench.tokenizer import Tokenizer
 
     vdir = Path(verifier) if verifier else EMBEDDED / "verifier"
@@ -207,7 +278,8 @@ def load_pair(verifier: str | Path | None = None, draft: str | Path | None = Non
     tok_dir = vdir if any((vdir / f).exists() for f in ("tokenizer.json", "tiktoken.model")) else ddir
     if tok_dir is None:
         raise ConfigError(f"{vdir}: no tokenizer.json or tiktoken.model; expected the verifier's tokenizer beside it")
-    return ModelPair(v, d, Tokenizer.from_dir(tok_dir), str(vdir), str(ddir) if ddir else None)
+    plain = ModelPair(v, d, Tokenizer.from_dir(tok_dir), str(vdir), str(ddir) if ddir else None)
+    return plain.with_path(fast, attention)
 
 
 def save_model(model: Verifier | Eagle3Draft, directory: str | Path, dtype: torch.dtype | None = None,

@@ -112,6 +112,11 @@ class Tokenizer:
             decoder.decode(b"".join(self._token_bytes(i) for i in prefix[-3:])[-3:])
         return [decoder.decode(self._token_bytes(i)) for i in ids]
 
+    def token_bytes(self, i: int) -> bytes:
+        """The raw bytes of token `i` (a token may hold part of a UTF-8 character)."""
+        self._check_ids([i])
+        return self._token_bytes(i)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render `messages` with the checkpoint's Jinja chat template, as transformers does."""
         if self.chat_template is None:

@@ -9,7 +9,7 @@ from views.prompt_sets import pick_prompts
 from workbench.analysis.doctor import MARGIN_ABS, MARGIN_REL, MIN_ACCEPT, NOISE_Z, diagnose, static_checks
 
 st.title("Pairing doctor")
-pair, lock = st.session_state.get("pair"), st.session_state.get("lock")
+pair = st.session_state.get("pair")
 if pair is None:
     st.error("Load a pair in the sidebar first.")
     st.stop()
@@ -36,9 +36,8 @@ k = c1.number_input("k", 1, 8, 3, key="doctor_k")
 max_new = c2.number_input("max_new_tokens", 1, 512, 32, key="doctor_max_new")
 if st.button("Run the probes", type="primary", key="doctor_run"):
     bar = st.progress(0.0, text="waiting for the model")
-    with lock:
-        report = diagnose(pair, prompts, k=int(k), max_new_tokens=int(max_new),
-                          progress=lambda i, n, s: bar.progress(i / n, text=s))
+    report = diagnose(pair, prompts, k=int(k), max_new_tokens=int(max_new),
+                      progress=lambda i, n, s: bar.progress(i / n, text=s))
     bar.empty()
     st.session_state["doctor_report"] = (st.session_state["pair_key"], report)
 key, report = st.session_state.get("doctor_report", (None, None))

@@ -9,7 +9,7 @@ from views.prompt_sets import pick_prompts
 from workbench.analysis.fusion import ABLATION_MODES, CONVENTION, ablation_study, inspect_fusion
 
 st.title("Fusion layer inspector")
-pair, lock = st.session_state.get("pair"), st.session_state.get("lock")
+pair = st.session_state.get("pair")
 if pair is None or pair.draft is None or not hasattr(pair.draft, "fc"):
     st.error("This page needs an EAGLE-3 draft with an fc fusion layer; load a pair in the sidebar.")
     st.stop()
@@ -25,7 +25,7 @@ max_new = c2.number_input("max_new_tokens", 1, 512, 24, key="fusion_max_new")
 key = (st.session_state["pair_key"], prompts[0], int(k), int(max_new))
 
 if st.button("Inspect the first prompt", type="primary", key="fusion_run"):
-    with st.spinner("generating and reading the fused states"), lock:
+    with st.spinner("generating and reading the fused states"):
         st.session_state["fusion_report"] = (key, inspect_fusion(pair, prompts[0], int(max_new), int(k)))
 stored_key, report = st.session_state.get("fusion_report", (None, None))
 if report is not None and stored_key == key:
@@ -58,9 +58,8 @@ st.caption("zero: the source's state replaced by zeros; shuffle: by the same sou
            "Greedy accept length over the chosen prompts, each source in turn.")
 if st.button("Run ablation", key="fusion_ablate", disabled=not modes):
     bar = st.progress(0.0, text="waiting for the model")
-    with lock:
-        st.session_state["fusion_ablation"] = (key, ablation_study(
-            pair, prompts, int(k), int(max_new), modes=modes, progress=lambda i, n, s: bar.progress(i / n, text=s)))
+    st.session_state["fusion_ablation"] = (key, ablation_study(
+        pair, prompts, int(k), int(max_new), modes=modes, progress=lambda i, n, s: bar.progress(i / n, text=s)))
     bar.empty()
 stored_key, ablation = st.session_state.get("fusion_ablation", (None, None))
 if ablation is not None and stored_key[0] == key[0]:

@@ -14,16 +14,9 @@ DTYPES = {"bf16 (2 bytes)": 2, "fp8 (1 byte)": 1, "fp32 (4 bytes)": 4}
 
 
 @st.cache_resource(show_spinner="Loading the MHA twin draft ...")
-def mha_twin(pair_key: str, _pair, _lock):
-    """The embedded MHA draft on the same verifier (only its cache is used here).
-
-    Loading a draft sets the shared verifier's aux ids to the draft's; they are put back."""
-    with _lock:
-        ids = _pair.verifier.aux_layer_ids
-        try:
-            return _pair.with_draft(MHA_TWIN).draft
-        finally:
-            _pair.verifier.aux_layer_ids = ids
+def mha_twin(pair_key: str, _pair):
+    """The embedded MHA draft on the same verifier (only its cache is used here)."""
+    return _pair.with_draft(MHA_TWIN).draft
 
 
 def fmt(n: float) -> str:
@@ -71,8 +64,7 @@ ctx = st.number_input("Context (tokens)", 1, pair.context_length, min(2048, pair
 drafts = {f"{pair.draft.attention_kind.upper()} draft (loaded)": pair.draft}
 if MHA_TWIN.is_dir() and pair.draft.attention_kind == "mla":
     try:
-        drafts["MHA twin (assets/tiny-kimi/draft-mha)"] = mha_twin(st.session_state["pair_key"], pair,
-                                                                   st.session_state["lock"])
+        drafts["MHA twin (assets/tiny-kimi/draft-mha)"] = mha_twin(st.session_state["pair_key"], pair)
     except (ValueError, OSError) as e:  # a twin that does not fit a user-chosen verifier
         st.caption(f"MHA twin not loaded: {e}")
 measured = []

@@ -24,7 +24,7 @@ def sweep(pair_key: str, prompts: tuple, ks: tuple, temperatures: tuple, max_new
 
 
 st.title("Tuning: which k?")
-pair, lock = st.session_state.get("pair"), st.session_state.get("lock")
+pair, lock = st.session_state.get("pair"), st.session_state.get("timing_lock")
 if pair is None or pair.draft is None:
     st.error("This page needs a verifier and a draft; load a pair in the sidebar.")
     st.stop()

@@ -45,10 +45,10 @@ def divergence(pair, prompt_ids: list[int], a: list[int], b: list[int], attentio
     j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if j is None:
         return None
-    attention = pair.resolve_attention(attention)
+    pair = pair.with_attention(attention)
     cache = pair.verifier_cache(len(prompt_ids) + j + 1)
-    step = lambda ids: pair.verifier(torch.tensor([ids], device=pair.device), cache, logits_to_keep=1,  # noqa: E731
-                                     attention=attention).logits[0, -1].float()
+    step = lambda ids: pair.verifier(torch.tensor([ids], device=pair.device), cache,  # noqa: E731
+                                     logits_to_keep=1).logits[0, -1].float()
     logits = step(prompt_ids)
     for t in a[:j]:
         logits = step([t])
@@ -86,100 +86,60 @@ def step_cost(k: int, spec_s: float, spec_prefill_s: float, spec_tokens: int, sp
 
 
 def step_components(dec, prompt: str | list[int], max_new_tokens: int = 128, repeats: int = 50) -> dict:
-    """Each part of one speculative step timed alone against one decode, at the same position.
+    """One speculative step's parts, each timed alone against one decode, at one position.
 
-    `step_cost` reads a step from the bench's loop, host work and all; these are the forwards
-    themselves, each called `repeats` times in a row with nothing in between (medians), so the
-    two together tell the forwards' cost from the loop's. The position is half-way through the
-    prompt's greedy continuation (the prompt and that half are prefilled, as one forward). Every
-    proposal is taken as accepted: a fused step always drafts over k+1 positions, and unfused that
-    is the draft's dearest first pass. Both caches are rolled back after each call, so every call
-    sees the same rows. Fused (`dec.fused`), drafting is the step's second half
-    (`FusedGreedyStep.draft_after`: the greedy acceptance and the k draft passes); unfused, it is the
-    proposer's `propose` and the step adds the host's acceptance.
-
-    `verify_then_draft` calls the two parts back to back, as a step does, with none of the
-    step's host work: when a step costs more than the parts alone add up to, it tells the
-    host's glue (step above it) from the models costing more when they alternate (it above
-    the sum: likely each call finding its weights evicted from the caches by the other model's).
+    `step_cost` reads a step from the bench's loop; this repeats one step of the decoder's own
+    `Step` (`dec.step`) `repeats` times at the same position (its state and the cache put back
+    with `Step.mark` before each call; medians), beside the verifier's 1-token decode and k+1-token
+    verify at that position. The position is half-way through the prompt's greedy continuation,
+    prefilled as one forward and then one step taken, so the step timed drafts as it does in the
+    loop. `draft_ms` and `step_verify_ms` are the step's own split of its time; `verify_then_draft_ms`
+    their sum, so `step_ms` above it is the step's host work.
     """
     import workbench as wb
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"step components: repeats = {repeats!r}; expected an integer >= 1")
-    pair, k, att, prop = dec.pair, dec.k, dec.attention, dec.proposer
-    if dec.fused is None and not callable(getattr(prop, "rewind", None)):
-        raise ValueError(f"step components: the proposer {type(prop).__name__} has no rewind(n), which times "
-                         "its drafting again from one position; expected a workbench.Proposer with it")
-    ar = wb.generate_autoregressive(pair, prompt, max_new_tokens, attention=att)
+    pair, k = dec.pair, dec.k
+    ar = wb.generate_autoregressive(pair, prompt, max_new_tokens)
     seq = ar.prompt_tokens + ar.tokens[: max(0, len(ar.tokens) - 1) // 2]
-    n = len(seq)
     cache_len = dec.cache_rows(len(ar.prompt_tokens), max_new_tokens, pair.context_length)
-    if n + k + 1 > cache_len:
-        raise ValueError(f"step components: {n} positions leave no room to verify k = {k} proposals in a "
+    if len(seq) + 2 * (k + 1) > cache_len:
+        raise ValueError(f"step components: {len(seq)} positions leave no room for two steps of k = {k} in a "
                          f"{cache_len}-row cache; expected a shorter prompt or more max_new_tokens")
 
-    def tensor(ids: list[int]) -> torch.Tensor:
-        return torch.tensor([ids], device=pair.device)
-
     def median_ms(fn) -> float:
-        times = [_timed(fn)[1] for _ in range(repeats)]
-        return statistics.median(times) * 1e3
+        return statistics.median(_timed(fn)[1] for _ in range(repeats)) * 1e3
 
     with torch.inference_mode():
         vcache = pair.verifier_cache(cache_len)
-        out = pair.verifier(tensor(seq), vcache, logits_to_keep=1, attention=att)
-        first = int(out.logits[0, -1].float().argmax())
-        tokens = seq + [first]
-        prop.reset(cache_len + k)
-        if dec.fused is not None:
-            proposal = prop.fused_first(dec.fused, tokens, out.aux_hidden_states, out.logits[0, -1:])
-        else:
-            proposal = prop.propose(tokens, out.aux_hidden_states if prop.needs_aux else None, k)
-        proposals = proposal.tokens[:k]
-        x1, xk = tensor([first]), tensor([first] + proposals)
-        verified = pair.verifier(xk, vcache, attention=att)
-        vcache.truncate(n)
-        after = tokens + proposals + [int(verified.logits[0, -1].float().argmax())]  # all k accepted, then the bonus
-        dq = proposal.draft_probs[:k] if proposal.draft_probs is not None else None
+        out = pair.verifier(torch.tensor([seq], device=pair.device), vcache, logits_to_keep=1)
+        verified = seq + [int(out.logits[0, -1].float().argmax())]
+        dec.step.begin(verified, out, vcache)
+        o = dec.step.step(verified, k, vcache)  # into the steady state: the next draft covers one step's rows
+        verified = verified + o.proposals[:o.verdict.num_accepted] + [o.verdict.next_token]
+        n, restore = vcache.length, dec.step.mark(vcache)
+        x1 = torch.tensor([[verified[-1]]], device=pair.device)
+        xk = torch.tensor([[verified[-1]] + [verified[-1]] * k], device=pair.device)
+        outcomes = []
 
         def decode():
-            pair.verifier(x1, vcache, logits_to_keep=1, attention=att)
+            pair.verifier(x1, vcache, logits_to_keep=1)
             vcache.truncate(n)
 
         def verify():
-            pair.verifier(xk, vcache, attention=att)
+            pair.verifier(xk, vcache)
             vcache.truncate(n)
 
-        if dec.fused is not None:
-            def draft():
-                dec.fused.draft_after(verified.logits[0], verified.aux_hidden_states, xk, prop.cache)
-                prop.cache.truncate(n)
+        def step():
+            restore()
+            outcomes.append(dec.step.step(verified, k, vcache))
 
-            def step():
-                dec.fused(first, proposals, vcache, prop.cache)
-                vcache.truncate(n)
-                prop.cache.truncate(n)
-        else:
-            new_aux = verified.aux_hidden_states if prop.needs_aux else None
-
-            def draft():
-                prop.rewind(n)
-                prop.propose(after, new_aux, k)
-
-            def step():
-                draft()
-                o = pair.verifier(xk, vcache, attention=att)
-                dec.acceptor.verify(proposals, dq, o.logits[0], dec.params, dec.generator)
-                vcache.truncate(n)
-
-        def verify_then_draft():
-            verify()
-            draft()
-
-        t = {name: median_ms(fn) for name, fn in
-             (("decode_ms", decode), ("verify_ms", verify), ("draft_ms", draft), ("step_ms", step),
-              ("verify_then_draft_ms", verify_then_draft))}
+        t = {"decode_ms": median_ms(decode), "verify_ms": median_ms(verify), "step_ms": median_ms(step)}
+        restore()
+    t["draft_ms"] = statistics.median(o.draft_time for o in outcomes) * 1e3
+    t["step_verify_ms"] = statistics.median(o.verify_time for o in outcomes) * 1e3
+    t["verify_then_draft_ms"] = statistics.median(o.draft_time + o.verify_time for o in outcomes) * 1e3
     per = {f"{name[:-3]}_decodes": t[name] / t["decode_ms"]
            for name in ("verify_ms", "draft_ms", "step_ms", "verify_then_draft_ms")}
     return {"position": n, "repeats": repeats, "fused": dec.fused is not None, **t, **per,
@@ -243,7 +203,8 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     spec_steps = sum(e.kind == "spec" for e in spec_events)
     report = {
         "k": k, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(pair.dtype).replace("torch.", ""),
-        "device": str(pair.device), "machine": machine(), "cpu_kernels": cpu.status(), "attention": dec.attention,
+        "device": str(pair.device), "machine": machine(), "fast_path": dec.pair.status(), "cpu_kernels": cpu.status(),
+        "attention": dec.attention,
         "threads": torch.get_num_threads(), "repeats": repeats,
         "compiled": pair.compiled, "fused": dec.fused is not None, "warmup_s": warmup_s, "graph_cache": graph_cache,
         "verifier": pair.verifier_dir, "draft": pair.draft_dir,

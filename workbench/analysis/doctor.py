@@ -9,8 +9,8 @@ verifier's, and a draft whose max_position_embeddings is below the verifier's (N
 
 `diagnose` runs static checks on configs and weights, then measures the greedy accept length
 of the configured pairing and of each alternative; an alternative that beats the configured
-one by a clear margin is flagged, as is a configured accept length below 1.2. Every probe
-changes the pair in place and restores it in a `finally`, so hold the app's generation lock.
+one by a clear margin is flagged, as is a configured accept length below 1.2. Every probe runs
+on a weight-sharing variant of the pair (`ModelPair.variant`): the caller's pair never changes.
 
 "Clear" means above a fixed margin *and* beyond the noise of a few prompts. Greedy runs are
 deterministic, but a handful of steps says little about other text: on the trained tiny pair,
@@ -28,8 +28,7 @@ left out).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -37,6 +36,7 @@ import torch
 from workbench.analysis.metrics import compute_stats
 from workbench.decoding.engine import SpecDecoder
 from workbench.models.rope import RotaryEmbedding
+from workbench.variants import REMOVED
 
 MARGIN_ABS = 0.05  # an alternative must beat the configured accept length by more than this ...
 MARGIN_REL = 0.02  # ... and by more than this fraction of it, to be flagged (run-to-run noise is 0 at T=0,
@@ -198,60 +198,19 @@ def _tokenizer_check(pair) -> Check:
 # ---- acceptance probes ----------------------------------------------------------------------
 
 
-@contextmanager
-def aux_ids(verifier, ids: Sequence[int]) -> Iterator[None]:
-    old = verifier.aux_layer_ids
-    verifier.aux_layer_ids = tuple(ids)
-    try:
-        yield
-    finally:
-        verifier.aux_layer_ids = old
-
-
-@contextmanager
-def rope_flipped(draft) -> Iterator[None]:
-    ropes = [m for m in draft.modules() if isinstance(m, RotaryEmbedding)]
-    for m in ropes:
-        m.interleave = not m.interleave
-    try:
-        yield
-    finally:
-        for m in ropes:
-            m.interleave = not m.interleave
-
-
-@contextmanager
-def norm_output_flipped(draft) -> Iterator[None]:
-    draft.norm_output = not draft.norm_output
-    try:
-        yield
-    finally:
-        draft.norm_output = not draft.norm_output
-
-
-@contextmanager
-def verifier_embedding(draft) -> Iterator[None]:
-    """The draft reads the verifier's embedding instead of the one it ships."""
-    own = draft._modules["embed_tokens"]
-    draft.embed_tokens = draft._shared["embed_tokens"]
-    try:
-        yield
-    finally:
-        draft.embed_tokens = own
-
-
 @dataclass
 class Alternative:
     name: str
     description: str
-    apply: Callable[[], AbstractContextManager] | None  # None when skipped
+    make: Callable[[], object] | None  # the probe's pair (a weight-sharing variant); None when skipped
     skipped: str | None = None
     first_proposal: bool = True  # changes the first proposal of a step (else only later ones)
 
 
 def alternatives(pair) -> list[Alternative]:
-    """The probes that apply to this pair, and the ones that do not (with the reason)."""
-    v, d = pair.verifier, pair.draft
+    """The probes that apply to this pair, and the ones that do not (with the reason). Each probe
+    is a `ModelPair.variant`: the pair the caller holds is never changed."""
+    v, d = pair.plain
     n = v.config.num_hidden_layers
     ids = tuple(v.aux_layer_ids)
     out = []
@@ -261,18 +220,18 @@ def alternatives(pair) -> list[Alternative]:
         out.append(Alternative(
             f"aux ids {shift:+d} {list(moved)}",
             f"capture layers shifted by {shift} (the 'input of' vs 'output of' layer k off-by-one)",
-            None if bad else (lambda m=moved: aux_ids(v, m)),
+            None if bad else (lambda m=moved: pair.variant(verifier={"aux_layer_ids": m})),
             f"{bad} outside the verifier's layers [0, {n - 1}]" if bad else None))
-    ropes = [m for m in d.modules() if isinstance(m, RotaryEmbedding)]
-    current = "interleaved" if ropes and ropes[0].interleave else "half-split"
+    ropes = {f"{name}.interleave": not m.interleave for name, m in d.named_modules() if isinstance(m, RotaryEmbedding)}
+    current = "interleaved" if ropes and not next(iter(ropes.values())) else "half-split"
     other = "half-split" if current == "interleaved" else "interleaved"
     out.append(Alternative(f"rope {other}", f"the draft's RoPE pairs dims {other} instead of {current}",
-                           (lambda: rope_flipped(d)) if ropes else None,
+                           (lambda: pair.variant(draft=ropes)) if ropes else None,
                            None if ropes else "the draft has no rotary embedding"))
     fed = "post-norm" if not d.norm_output else "pre-norm"
     out.append(Alternative(f"feed back {fed}",
                            f"feed the {fed} state back between draft steps (norm_output = {not d.norm_output})",
-                           lambda: norm_output_flipped(d), first_proposal=False))
+                           lambda: pair.variant(draft={"norm_output": not d.norm_output}), first_proposal=False))
     what = "use the verifier's embedding instead of the draft's own"
     own, shared = d._modules.get("embed_tokens"), d._shared.get("embed_tokens")
     if own is None:
@@ -281,7 +240,7 @@ def alternatives(pair) -> list[Alternative]:
     elif shared is None or shared.weight.shape != own.weight.shape:
         out.append(Alternative("verifier embedding", what, None, "the verifier's embedding has another shape"))
     else:
-        out.append(Alternative("verifier embedding", what, lambda: verifier_embedding(d)))
+        out.append(Alternative("verifier embedding", what, lambda: pair.variant(draft={"embed_tokens": REMOVED})))
     return out
 
 
@@ -320,14 +279,14 @@ def first_proposal_hits(pair, sequences: list[list[int]], attention: str = "auto
     position j and proposes the token after j+1; it is accepted iff it is the verifier's argmax
     at position j+1. One verifier forward and one draft pass per sequence, no generation loop.
     """
+    pair = pair.with_attention(attention)
     d = pair.draft
-    attention = pair.resolve_attention(attention)
     hits: list[bool] = []
     for ids in sequences:
         x = torch.tensor([ids], device=pair.device)
-        out = pair.verifier(x, attention=attention)
+        out = pair.verifier(x)
         target = out.logits[0].argmax(-1)
-        post, _ = d(x[:, 1:], d.combine_hidden_states(out.aux_hidden_states)[:, :-1], attention=attention)
+        post, _ = d(x[:, 1:], d.combine_hidden_states(out.aux_hidden_states)[:, :-1])
         hits += (d.compute_logits(post)[0].argmax(-1) == target[1:]).tolist()
     return hits
 
@@ -382,7 +341,7 @@ def diagnose(pair, prompts: Sequence[str], k: int = 3, max_new_tokens: int = 32,
         return DoctorReport(k, max_new_tokens, len(prompts), checks, configured, [],
                             ["static checks failed: " + "; ".join(c.name for c in checks if c.status == "fail")])
     plan = alternatives(pair)
-    total = 1 + sum(alt.apply is not None for alt in plan)
+    total = 1 + sum(alt.make is not None for alt in plan)
     if progress:
         progress(0, total, "configured")
     base = generate_run(pair, prompts, k, max_new_tokens, attention)
@@ -393,13 +352,13 @@ def diagnose(pair, prompts: Sequence[str], k: int = 3, max_new_tokens: int = 32,
     for alt in plan:
         probe = Probe(alt.name, alt.description, skipped=alt.skipped)
         probes.append(probe)
-        if alt.apply is None:
+        if alt.make is None:
             continue
         if progress:
             progress(len([p for p in probes if p.skipped is None]), total, alt.name)
-        with alt.apply():
-            run = generate_run(pair, prompts, k, max_new_tokens, attention)
-            hits = first_proposal_hits(pair, base.sequences, attention)
+        probe_pair = alt.make()
+        run = generate_run(probe_pair, prompts, k, max_new_tokens, attention)
+        hits = first_proposal_hits(probe_pair, base.sequences, attention)
         probe.accept_length, probe.steps = run.accept_length, run.steps
         probe.first_proposal_rate, probe.positions = sum(hits) / len(hits), len(hits)
         if alt.first_proposal:

@@ -6,7 +6,8 @@ column blocks W_s (one per aux source s) writes the fused state as a sum of term
 so per token the *norm share* of source s is ||t_s|| / sum_s ||t_s|| (shares sum to 1).
 Alongside: ||W_s||_F per block, cos(fused, h_s), the RMS of each captured state, how the
 shares relate to which proposals the verifier accepted, and an ablation that zeroes or
-shuffles one source inside `combine_hidden_states` and measures the acceptance change.
+shuffles one source of fc's input (on a weight-sharing variant of the draft) and measures the
+acceptance change.
 
 Aux ids follow vLLM's convention: id k is the residual stream *entering* decoder layer k
 (transformers' `hidden_states[k]`); a draft trained on "output of layer k" is off by one.
@@ -14,11 +15,11 @@ Aux ids follow vLLM's convention: id k is the residual stream *entering* decoder
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
 
 from workbench.analysis.metrics import compute_stats
 from workbench.decoding.engine import SpecDecoder
@@ -116,8 +117,7 @@ def inspect_fusion(pair, prompt: str, max_new_tokens: int = 32, k: int = 3, atte
     res = SpecDecoder(pair, num_speculative_tokens=k, temperature=0.0, attention=attention).generate(
         prompt, max_new_tokens)
     ids = res.prompt_tokens + res.tokens
-    out = pair.verifier(torch.tensor([ids], device=pair.device), logits_to_keep=1,
-                        attention=pair.resolve_attention(attention))
+    out = pair.with_attention(attention).verifier(torch.tensor([ids], device=pair.device), logits_to_keep=1)
     aux = out.aux_hidden_states
     terms, fused = _terms(draft, aux)
     term_norms = terms.norm(dim=-1).T  # [T, S]
@@ -190,38 +190,40 @@ def _shuffled(h: torch.Tensor, bank: list[torch.Tensor], gen: torch.Generator) -
     return out.reshape(h.shape)
 
 
-@contextmanager
-def ablate_source(draft, source: int, mode: str = "zero", seed: int = 0) -> Iterator[None]:
-    """Inside the block, `draft.combine_hidden_states` sees source `source` zeroed or shuffled.
+class SourceAblation(nn.Module):
+    """The draft's fc with one aux source of its input [..., S*W] zeroed or shuffled (`_shuffled`):
+    what an ablated draft puts in fc's place. The inner projection keeps the name `fc`."""
 
-    The method is wrapped on the instance and always restored (also on error), so the pair
-    is unchanged afterwards. Hold the app's generation lock around it: the draft is shared.
-    """
+    def __init__(self, fc: nn.Linear, source: int, width: int, mode: str, seed: int) -> None:
+        super().__init__()
+        self.fc, self.source, self.width, self.mode = fc, source, width, mode
+        self.gen = torch.Generator().manual_seed(seed)
+        self.bank: list[torch.Tensor] = []
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fc.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cols = slice(self.source * self.width, (self.source + 1) * self.width)
+        h = x[..., cols]
+        x = x.clone()
+        x[..., cols] = torch.zeros_like(h) if self.mode == "zero" else _shuffled(h, self.bank, self.gen)
+        return self.fc(x)
+
+
+def ablated(pair, source: int, mode: str = "zero", seed: int = 0):
+    """A variant of `pair` (`ModelPair.variant`, weights shared) whose draft sees aux source
+    `source` zeroed or shuffled; the pair given is unchanged."""
+    draft = _draft_with_fc(pair)
     n = len(draft.config.aux_layer_ids)
     if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < n:
-        raise ValueError(f"ablate_source: source = {source!r}; expected an aux source index in [0, {n - 1}]")
+        raise ValueError(f"ablation: source = {source!r}; expected an aux source index in [0, {n - 1}]")
     if mode not in ABLATION_MODES:
-        raise ValueError(f"ablate_source: mode = {mode!r}; expected one of {ABLATION_MODES}")
-    had_override = "combine_hidden_states" in draft.__dict__
-    previous = draft.__dict__.get("combine_hidden_states")
-    inner = draft.combine_hidden_states
-    gen = torch.Generator().manual_seed(seed)
-    bank: list[torch.Tensor] = []
-
-    def combine(aux):
-        aux = list(aux)
-        h = aux[source]
-        aux[source] = torch.zeros_like(h) if mode == "zero" else _shuffled(h, bank, gen)
-        return inner(aux)
-
-    draft.combine_hidden_states = combine
-    try:
-        yield
-    finally:
-        if had_override:
-            draft.combine_hidden_states = previous
-        else:
-            del draft.combine_hidden_states
+        raise ValueError(f"ablation: mode = {mode!r}; expected one of {ABLATION_MODES}")
+    plain = pair.plain[1]
+    fc = SourceAblation(plain.fc, source, plain.config.target_hidden_size, mode, seed)
+    return pair.variant(draft={"fc": fc})
 
 
 @dataclass
@@ -280,8 +282,7 @@ def ablation_study(pair, prompts: Sequence[str], k: int = 3, max_new_tokens: int
         for s, layer in enumerate(ids):
             if progress:
                 progress(len(entries) + 1, total, f"{mode} source {s} (layer {layer})")
-            with ablate_source(draft, s, mode, seed):
-                a = greedy_accept_length(pair, prompts, k, max_new_tokens, attention)
+            a = greedy_accept_length(ablated(pair, s, mode, seed), prompts, k, max_new_tokens, attention)
             entries.append(AblationEntry(s, layer, mode, a, a - base))
     if progress:
         progress(total, total, "done")

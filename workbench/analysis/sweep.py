@@ -231,5 +231,5 @@ def run_sweep(pair, prompts: Sequence[str], ks: Sequence[int], temperatures: Seq
             spec_events += [e for r in results for e in r.events if e.kind == "spec"]
         pooled[t] = compute_stats(spec_events)
     tick("done")
-    return SweepResult(ks, temps, len(prompts), max_new_tokens, seed, pair.resolve_attention(attention), points,
+    return SweepResult(ks, temps, len(prompts), max_new_tokens, seed, pair.with_attention(attention).attention, points,
                        pooled)

@@ -1,13 +1,9 @@
 """The speculative decoding loop (vLLM's chain EAGLE-3, batch size 1) and its fair baseline.
 
-One step (eagle3_mla.md §5):
-    proposals = proposer(verified tokens, fresh verifier aux states, k)
-    out = verifier([last token] + proposals)            # one forward, k+1 positions
-    a, next = acceptor(proposals, out.logits)           # lossless: greedy or rejection sampling
-    emit proposals[:a] + [next]; roll the verifier cache back to the verified length
-    the aux states of [last token] + proposals[:a] seed the next draft pass
-`generate_autoregressive` runs the same verifier, cache and sampling one token per forward,
-so every comparison is like for like.
+`SpecDecoder.stream` prefills, then calls one `Step` (`workbench.decoding.step`, eagle3_mla.md
+§5) until the request ends, turning each outcome into a `StepEvent`. `generate_autoregressive`
+runs the same verifier, cache and sampling one token per forward, so every comparison is like
+for like.
 """
 from __future__ import annotations
 
@@ -18,10 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from workbench.decoding.events import GenerationResult, StepEvent
-from workbench.decoding.fused import FusedGreedyStep, fused_step_for
+from workbench.decoding.fused import FusedGreedyStep
 from workbench.decoding.proposers import EagleProposer, NgramProposer, Proposer
 from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingError, SamplingParams, acceptor_for,
-                                         check_finite, next_token, nonfinite_error, shown_prob)
+                                         check_finite, next_token, shown_prob)
+from workbench.decoding.step import ProposeVerifyAccept, Step
 
 MAX_K = 16
 
@@ -100,12 +97,10 @@ class SpecDecoder:
     """Speculative decoding with a draft proposer and a lossless acceptor.
 
     `proposer` is "eagle" (the pair's draft), "ngram" (prompt lookup), or any `Proposer`;
-    `acceptor` defaults to greedy at temperature 0, rejection sampling otherwise.
-    `fused` runs each step's verify, greedy acceptance and next drafting as one call
-    (`workbench.decoding.fused`): None (default) does so where it applies, a compiled pair with a
-    greedy EAGLE draft, greedy acceptance and torch attention; True requires it; False never.
-    A fused step's drafting is inside its `verify_time` (its `draft_time` is the proposal's
-    wait, ~0), so measure the draft's own cost unfused (`workbench sweep` does).
+    `acceptor` defaults to greedy at temperature 0, rejection sampling otherwise. `attention`
+    picks the absorbed attention's backend (`ModelPair.with_attention`). `fused` runs each step's
+    verify, greedy acceptance and next drafting as one step (`FusedGreedyStep`): None (default)
+    where it applies and pays (a compiled pair with greedy EAGLE), True requires it, False never.
     """
 
     def __init__(self, pair, num_speculative_tokens: int = 3, temperature: float = 0.0, top_p: float = 1.0,
@@ -115,22 +110,25 @@ class SpecDecoder:
         k = num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
             raise RequestError(f"num_speculative_tokens = {k!r}; expected an integer in [1, {MAX_K}]")
-        self.pair, self.k = pair, k
+        self.pair = pair = pair.with_attention(attention)
+        self.k = k
         self.params = SamplingParams(temperature, top_p, top_k)
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
-        self.attention = pair.resolve_attention(attention)
+        self.attention = pair.attention
         self.acceptor = acceptor or acceptor_for(self.params)
         if proposer == "eagle":
             if pair.draft is None:
                 raise RequestError("proposer 'eagle' needs a draft; this pair has none (use proposer='ngram')")
-            proposer = EagleProposer(pair.draft, draft_sampling, self.params, self.generator, self.attention)
+            proposer = EagleProposer(pair.draft, draft_sampling, self.params, self.generator)
         elif proposer == "ngram":
             proposer = NgramProposer()
         elif isinstance(proposer, str):
             raise RequestError(f"proposer = {proposer!r}; expected 'eagle', 'ngram' or a Proposer object")
         self.proposer = proposer
         self.fused = self._fused_step(fused)
+        self.step: Step = self.fused or ProposeVerifyAccept(pair.verifier, proposer, self.acceptor, self.params,
+                                                            self.generator, k)
 
     def _fused_step(self, fused: bool | None) -> FusedGreedyStep | None:
         if fused not in (None, True, False):
@@ -142,7 +140,7 @@ class SpecDecoder:
                                "acceptor and attention 'torch'")
         if fused is False or not fits or (fused is None and not self.pair.compiled):
             return None
-        return fused_step_for(self.pair.verifier, self.pair.draft, self.k, self.pair.compiled)
+        return FusedGreedyStep(self.pair.verifier, self.pair.draft, self.k, self.pair.compiled)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
                  max_len: int | None = None) -> GenerationResult:
@@ -150,11 +148,9 @@ class SpecDecoder:
         events = list(self.stream(prompt, max_new_tokens, stop, max_len))
         return _result(events, self._emitter, time.perf_counter() - t0, self.k)
 
-    @torch.inference_mode()
     def cache_rows(self, prompt_len: int, max_new_tokens: int, context: int) -> int:
         """The verifier cache's rows for a request: room for a last step's k+1 tokens past the
-        budget, within the context (a compiled pair's graphs see these shapes, so a benchmark of the
-        parts of a step allocates the same)."""
+        budget, within the context (a benchmark of one step allocates the same)."""
         return min(context, prompt_len + max_new_tokens + self.k + 1)
 
     @torch.inference_mode()  # the caller's grad mode is its own: each resumption runs without autograd
@@ -163,66 +159,35 @@ class SpecDecoder:
         """Yield one StepEvent per verifier forward: the prefill token first, then each spec step.
 
         Runs in inference mode whatever the caller's grad mode (as generate_autoregressive does):
-        under autograd the verifier would record a graph and route its experts through the
-        training path, and speculation would be measured against a baseline that pays neither.
+        under autograd the verifier would record a graph, and speculation would be measured
+        against a baseline that pays none.
         """
         req = _validate_common(self.pair, prompt, max_new_tokens, stop, max_len)
         self.generator.manual_seed(self.seed)
         pair, k = self.pair, self.k
-        cache_len = self.cache_rows(len(req.prompt_ids), max_new_tokens, req.max_len)
-        cache = pair.verifier_cache(cache_len)
-        self.proposer.reset(cache_len + k)  # room for a fused step's provisional draft rows past the context
+        cache = pair.verifier_cache(self.cache_rows(len(req.prompt_ids), max_new_tokens, req.max_len))
         em = self._emitter = _Emitter(pair, req)
 
         t = time.perf_counter()
-        ids = torch.tensor([req.prompt_ids], device=pair.device)
-        out = pair.verifier(ids, cache, logits_to_keep=1, attention=self.attention)
-        logits = out.logits[0]
+        out = pair.verifier(torch.tensor([req.prompt_ids], device=pair.device), cache, logits_to_keep=1)
+        logits = out.logits[0, -1]
         check_finite(logits, "verifier logits at the prompt's last position")
-        first = next_token(logits[-1], self.params, self.generator)
-        shown = shown_prob(logits[-1], self.params, first)
+        first = next_token(logits, self.params, self.generator)
         piece = em.add(first)
         verified = req.prompt_ids + [first]
-        aux = out.aux_hidden_states
-        fused, upcoming = self.fused is not None, None  # a fused step drafts the next step's proposal as it verifies
+        self.step.begin(verified, out, cache)
         yield StepEvent(step=0, kind="prefill", emitted=[first], emitted_text=[piece], emitted_status=["bonus"],
-                        emitted_verifier_probs=[shown], position=len(req.prompt_ids),
-                        verify_time=time.perf_counter() - t, finish_reason=em.finish)
+                        emitted_verifier_probs=[shown_prob(logits, self.params, first)],
+                        position=len(req.prompt_ids), verify_time=time.perf_counter() - t, finish_reason=em.finish)
         step = 0
         while em.finish is None:
             step += 1
-            k_now = min(k, em.req.max_len - cache.length - 1, em.room())
-            if k_now < 1:  # no room to verify even one proposal: finish by plain decoding
-                k_now = 0
-            t = time.perf_counter()
-            if fused and step == 1:  # the prompt's last position and the chain through the fused step's graph
-                prop = self.proposer.fused_first(self.fused, verified, aux, logits[-1:])
-            elif fused:
-                prop = upcoming
-            else:
-                prop = self.proposer.propose(verified, aux if self.proposer.needs_aux else None, max(k_now, 1))
-            proposals = prop.tokens[:k_now]
-            t_draft = time.perf_counter() - t
-            t = time.perf_counter()
-            start = cache.length
-            if fused:
-                verdict, upcoming, finite = self.proposer.fused_step(self.fused, verified[-1], proposals, cache)
-                if not finite:
-                    raise nonfinite_error(f"verifier logits at step {step}")
-            else:
-                x = torch.tensor([[verified[-1]] + proposals], device=pair.device)
-                out = pair.verifier(x, cache, attention=self.attention)
-                check_finite(out.logits, f"verifier logits at step {step}")
-                dq = prop.draft_probs[:k_now] if prop.draft_probs is not None else None
-                verdict = self.acceptor.verify(proposals, dq, out.logits[0], self.params, self.generator)
-                cache.truncate(start + 1 + verdict.num_accepted)
-                aux = tuple(h[:, : verdict.num_accepted + 1] for h in out.aux_hidden_states)
-            a = verdict.num_accepted
-            t_verify = time.perf_counter() - t
-
-            emitted = proposals[:a] + [verdict.next_token]
+            k_now = max(0, min(k, em.req.max_len - cache.length - 1, em.room()))  # 0: no room, a plain decode
+            o = self.step.step(verified, k_now, cache)
+            a, proposals = o.verdict.num_accepted, o.proposals
+            emitted = proposals[:a] + [o.verdict.next_token]
             status = ["accepted"] * a + ["bonus" if a == k_now else "corrected"]
-            vprobs = verdict.verifier_probs[:a] + [verdict.next_token_prob]
+            vprobs = o.verdict.verifier_probs[:a] + [o.verdict.next_token_prob]
             proposed_text = pair.tokenizer.token_texts(proposals, prefix=verified[-8:]) if proposals else []
             position = len(verified)
             texts = []
@@ -234,10 +199,10 @@ class SpecDecoder:
             verified += emitted[:n]
             yield StepEvent(
                 step=step, kind="spec", proposed=proposals, proposed_text=proposed_text,
-                draft_probs=prop.token_probs[:k_now], verifier_probs=verdict.verifier_probs, num_accepted=a,
+                draft_probs=o.token_probs, verifier_probs=o.verdict.verifier_probs, num_accepted=a,
                 emitted=emitted[:n], emitted_text=texts, emitted_status=status[:n],
                 emitted_verifier_probs=vprobs[:n], position=position,
-                draft_time=t_draft, verify_time=t_verify, finish_reason=em.finish)
+                draft_time=o.draft_time, verify_time=o.verify_time, finish_reason=em.finish)
 
 
 def _result(events: list[StepEvent], em: _Emitter, elapsed: float, k: int) -> GenerationResult:
@@ -255,7 +220,7 @@ def generate_autoregressive(pair, prompt: str | list[int], max_new_tokens: int =
     """Plain decoding with the same verifier, cache and sampling: one token per forward."""
     params = SamplingParams(temperature, top_p, top_k)
     req = _validate_common(pair, prompt, max_new_tokens, stop, max_len)
-    attention = pair.resolve_attention(attention)
+    pair = pair.with_attention(attention)
     gen = torch.Generator().manual_seed(seed)
     cache = pair.verifier_cache(min(req.max_len, len(req.prompt_ids) + max_new_tokens + 1))
     em = _Emitter(pair, req)
@@ -264,7 +229,7 @@ def generate_autoregressive(pair, prompt: str | list[int], max_new_tokens: int =
     x = torch.tensor([req.prompt_ids], device=pair.device)
     while em.finish is None:
         t = time.perf_counter()
-        logits = pair.verifier(x, cache, logits_to_keep=1, attention=attention).logits[0, -1]
+        logits = pair.verifier(x, cache, logits_to_keep=1).logits[0, -1]
         check_finite(logits, f"verifier logits at position {cache.length - 1}")
         tok = next_token(logits, params, gen)
         piece = em.add(tok)

@@ -30,8 +30,8 @@ class StepEvent:
     emitted_status: list[str] = field(default_factory=list)  # "accepted" | "corrected" | "bonus"
     emitted_verifier_probs: list[float] = field(default_factory=list)  # p of each emitted token
     position: int = 0  # absolute position of the first emitted token
-    draft_time: float = 0.0  # seconds; ~0 for a fused step, whose proposals were drafted by the step before
-    verify_time: float = 0.0  # a fused step's includes drafting the next step's proposals
+    draft_time: float = 0.0  # seconds drafting (a fused step: its acceptance and drafting the next proposals)
+    verify_time: float = 0.0  # seconds verifying (the prefill's: the prompt's forward)
     finish_reason: str | None = None  # set on the last event: "eos" | "stop" | "length" | "context"
 
     @property

@@ -11,18 +11,22 @@ count the argmax *is* the next verified token (an accepted proposal, then the co
 the bonus), and the rows after it are never read before the next step's first pass overwrites
 them; the chain continues from the accepted count's row, at positions only the device knows
 (`Eagle3Draft.forward_at`). The host reads one small result per step. The same call, over the
-prompt's last position, makes the first proposal after a prefill.
+prompt's last position, makes the first proposal after a prefill. `FusedGreedyStep` is this as a
+`workbench.decoding.step.Step`.
 
 Greedy only: rejection sampling draws from the host's generator between the two halves.
 """
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 
 from workbench.cache import KVCache
+from workbench.decoding.sampling import Verdict
+from workbench.decoding.step import StepOutcome
 
 
 def first_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -70,64 +74,90 @@ class FusedOutcome:
     finite: bool  # every verified logit row had a finite max (the caller raises otherwise)
 
 
+_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft -> its compiled accept_and_draft
+
+
+def _accept_and_draft_for(draft, compiled: bool):
+    """`accept_and_draft`, compiled once per draft when the pair is (every decoder of the pair shares it)."""
+    if not compiled:
+        return accept_and_draft
+    if draft not in _FNS:
+        from workbench.compiled import compile_function
+
+        _FNS[draft] = compile_function(accept_and_draft, next(draft.parameters()).dtype)
+    return _FNS[draft]
+
+
 class FusedGreedyStep:
-    """`accept_and_draft` after the verifier's forward, for one pair and k; compiled when the pair is."""
+    """The `Step` for greedy EAGLE: the verifier's forward, then `accept_and_draft` (compiled on a
+    compiled pair). It drafts each step's proposals at the end of the step before."""
 
     def __init__(self, verifier, draft, k: int, compiled: bool) -> None:
         self.verifier, self.draft, self.k = verifier, draft, k
+        self.fn = _accept_and_draft_for(draft, compiled)
         self.calls = 0
-        self.fn = accept_and_draft
-        if compiled:
-            from workbench.compiled import compile_function
+        self.dcache: KVCache | None = None
+        self.upcoming: FusedOutcome | None = None  # the proposals the next step verifies
 
-            self.fn = compile_function(accept_and_draft, next(draft.parameters()).dtype)
-
-    def draft_after(self, logits, aux, x: torch.Tensor, dcache: KVCache) -> FusedOutcome:
-        """The second half alone: accept after the verifier's forward over x (its logits [T, V] and
-        aux states) and draft the next k from dcache.length on (a benchmark times it apart)."""
+    def draft_after(self, logits: torch.Tensor, aux, x: torch.Tensor) -> FusedOutcome:
+        """Accept after the verifier's forward over x (its logits [T, V] and aux states) and draft
+        the next k from the draft cache's length on."""
         self.calls += 1
-        # As in CompiledForward, a cache of 0 or 1 rows (after a 1- or 2-token prompt) runs eagerly
-        # rather than specialising a graph on those lengths.
-        fn = self.fn if dcache.length >= 2 else accept_and_draft
-        ints, floats, finite = fn(self.draft, logits, aux, x, dcache, self.k)
+        # A cache of 0 or 1 rows (after a 1- or 2-token prompt) runs eagerly rather than specialising a graph
+        fn = self.fn if self.dcache.length >= 2 else accept_and_draft
+        ints, floats, finite = fn(self.draft, logits, aux, x, self.dcache, self.k)
         ints, floats, T = ints.tolist(), floats.tolist(), x.shape[1]
         a = ints[0]
         return FusedOutcome(a, ints[1 + a], floats[:T - 1], floats[T - 1 + a], ints[1 + T:], floats[2 * T - 1:],
                             bool(finite))
 
     @torch.inference_mode()
-    def __call__(self, last: int, proposals: list[int], vcache: KVCache, dcache: KVCache) -> FusedOutcome:
-        """Verify `proposals` (up to k) after `last` at vcache.length, accept, draft the next k; both
-        caches end at the verified length."""
-        start = vcache.length
-        x = torch.tensor([[last] + proposals], device=vcache.rows.device)
-        out = self.verifier(x, vcache)  # the per-token graph on a compiled pair; advances vcache
-        dcache.truncate(start)
-        outcome = self.draft_after(out.logits[0], out.aux_hidden_states, x, dcache)
-        vcache.truncate(start + 1 + outcome.num_accepted)
-        dcache.truncate(start + 1 + outcome.num_accepted)  # the first pass's rows up to the accepted count are final
-        return outcome
+    def begin(self, verified: list[int], prefill, cache: KVCache) -> None:
+        """The first proposal after a prefill: the draft's pass over the prompt but its last position
+        as usual, then that position and the chain through `accept_and_draft`."""
+        if self.dcache is None or self.dcache.max_len < cache.max_len + self.k:
+            self.dcache = self.draft.new_cache(cache.max_len + self.k)  # provisional rows past the context
+        self.dcache.reset()
+        self.steps = 0
+        aux = prefill.aux_hidden_states
+        ids = torch.tensor([verified[1:-1]], device=cache.rows.device)
+        if ids.shape[1] > 0:
+            self.draft(ids, self.draft.combine_hidden_states(tuple(h[:, :-1] for h in aux)), self.dcache)
+        fresh = torch.contiguous_format  # the prefill's slices: their strides would fail a graph's stride guards
+        logits = prefill.logits[0, -1:].clone(memory_format=fresh)
+        aux = tuple(h[:, -1:].clone(memory_format=fresh) for h in aux)
+        start = self.dcache.length
+        self.upcoming = self.draft_after(logits, aux, torch.tensor([[verified[-1]]], device=cache.rows.device))
+        self.dcache.truncate(start + 1)
 
     @torch.inference_mode()
-    def first(self, logits: torch.Tensor, aux: tuple[torch.Tensor, ...], token: int, dcache: KVCache) -> FusedOutcome:
-        """The first proposal after a prefill: `token` (the prompt's last argmax, `logits` [1, V] its row)
-        at dcache.length, with the prompt's last aux states [1, 1, H]."""
-        start = dcache.length
-        fresh = torch.contiguous_format  # the prefill's slices: their strides would fail the graph's stride guards
-        logits, aux = logits.clone(memory_format=fresh), tuple(h.clone(memory_format=fresh) for h in aux)
-        outcome = self.draft_after(logits, aux, torch.tensor([[token]], device=dcache.rows.device), dcache)
-        dcache.truncate(start + 1)
-        return outcome
+    def step(self, verified: list[int], k: int, cache: KVCache) -> StepOutcome:
+        from workbench.decoding.sampling import nonfinite_error
 
+        self.steps += 1
+        proposals, token_probs = self.upcoming.proposals[:k], self.upcoming.draft_probs[:k]
+        t = time.perf_counter()
+        start = cache.length
+        x = torch.tensor([[verified[-1]] + proposals], device=cache.rows.device)
+        out = self.verifier(x, cache)  # the per-token graph on a compiled pair; advances the cache
+        t_verify = time.perf_counter() - t
+        t = time.perf_counter()
+        self.dcache.truncate(start)
+        o = self.draft_after(out.logits[0], out.aux_hidden_states, x)
+        cache.truncate(start + 1 + o.num_accepted)
+        self.dcache.truncate(start + 1 + o.num_accepted)  # the first pass's rows up to the accepted count are final
+        if not o.finite:
+            raise nonfinite_error(f"verifier logits at step {self.steps}")
+        self.upcoming = o
+        verdict = Verdict(o.num_accepted, o.next_token, o.verifier_probs, o.next_token_prob)
+        return StepOutcome(proposals, token_probs, verdict, time.perf_counter() - t, t_verify)
 
-_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft -> {(id(verifier), k, compiled): step}
+    def mark(self, cache: KVCache):
+        length, dlength, upcoming = cache.length, self.dcache.length, self.upcoming
 
+        def restore() -> None:
+            cache.truncate(length)
+            self.dcache.truncate(dlength)
+            self.upcoming = upcoming
 
-def fused_step_for(verifier, draft, k: int, compiled: bool) -> FusedGreedyStep:
-    """The pair's fused step for k, made once: a compiled one compiles its graph on first use, and
-    every decoder of the pair shares it rather than compiling again."""
-    steps = _STEPS.setdefault(draft, {})
-    key = (id(verifier), k, compiled)
-    if key not in steps or steps[key].verifier is not verifier:
-        steps[key] = FusedGreedyStep(verifier, draft, k, compiled)
-    return steps[key]
+        return restore

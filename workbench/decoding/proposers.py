@@ -17,10 +17,7 @@ from typing import Protocol
 
 import torch
 
-from workbench.cache import KVCache
-from workbench.compiled import is_compiled
-from workbench.decoding.fused import FusedGreedyStep
-from workbench.decoding.sampling import SamplingParams, Verdict, probs_from_logits, sample
+from workbench.decoding.sampling import SamplingParams, probs_from_logits, sample
 from workbench.models.draft import Eagle3Draft
 from workbench.models.mla import ABSORB_MAX_TOKENS
 
@@ -49,10 +46,10 @@ class EagleProposer:
     needs_aux = True
 
     def __init__(self, draft: Eagle3Draft, sampling: str = "greedy", params: SamplingParams | None = None,
-                 generator: torch.Generator | None = None, attention: str = "torch") -> None:
+                 generator: torch.Generator | None = None) -> None:
         if sampling not in ("greedy", "sample"):
             raise ValueError(f"draft sampling = {sampling!r}; expected 'greedy' or 'sample'")
-        self.draft, self.sampling, self.attention = draft, sampling, attention
+        self.draft, self.sampling = draft, sampling
         self.params = params or SamplingParams()
         self.generator = generator
         self.name = f"eagle3-{draft.attention_kind}"
@@ -79,36 +76,10 @@ class EagleProposer:
         self.seen = n
         self.cache.truncate(n)
 
-    def fused_step(self, step: FusedGreedyStep, last: int, proposals: list[int], vcache: KVCache) -> tuple[Verdict, Proposal, bool]:
-        """Verify `proposals` after `last`, accept greedily and draft the next k with no trip to the
-        host in between (`workbench.decoding.fused`). Returns the verdict, the next proposal and
-        whether every logit row was finite (the caller raises, as check_finite would)."""
-        out = step(last, proposals, vcache, self.cache)
-        self.seen = vcache.length  # every verified position's draft row is final
-        verdict = Verdict(out.num_accepted, out.next_token, out.verifier_probs, out.next_token_prob)
-        return verdict, Proposal(out.proposals, None, out.draft_probs), out.finite
-
-    @torch.inference_mode()
-    def fused_first(self, step: FusedGreedyStep, tokens: list[int], new_aux: tuple[torch.Tensor, ...],
-                    logits: torch.Tensor) -> Proposal:
-        """`propose` after a prefill through the fused step's graph (so a fused decoder needs no chain
-        graph of its own): the prompt's first pass but its last position as usual, then that position
-        and the chain in one call. `logits` [1, V]: the prompt's last row, whose argmax is tokens[-1]."""
-        if self.seen != 0 or new_aux[0].shape[1] != len(tokens) - 1:
-            raise ValueError(f"EAGLE proposer: fused_first follows a prefill; expected aux states for "
-                             f"{len(tokens) - 1} prompt positions and nothing proposed yet")
-        ids = torch.tensor([tokens[1:]], device=self.draft.norm.weight.device)
-        self.cache.truncate(0)
-        if ids.shape[1] > 1:
-            ids, new_aux = self._prefix_pass(ids, new_aux)
-        out = step.first(logits, new_aux, tokens[-1], self.cache)
-        self.seen = len(tokens) - 1
-        return Proposal(out.proposals, None, out.draft_probs)
-
     def _prefix_pass(self, ids: torch.Tensor, new_aux: tuple[torch.Tensor, ...]):
         """The first pass over all but the last new position; returns that position's ids and aux states."""
         prefix = self.draft.combine_hidden_states(tuple(h[:, :-1] for h in new_aux))
-        self.draft(ids[:, :-1], prefix, self.cache, attention=self.attention)
+        self.draft(ids[:, :-1], prefix, self.cache)
         return ids[:, -1:], tuple(h[:, -1:] for h in new_aux)
 
     @torch.inference_mode()
@@ -121,32 +92,26 @@ class EagleProposer:
         ids = torch.tensor([tokens[self.seen + 1:]], device=device)
         self.seen = len(tokens) - 1
         if self.greedy:  # vLLM's EAGLE: argmax proposals, q = 1
-            # The chain runs the longest k asked so far, cut to k: a compiled chain is one graph
-            # per length, and the engine asks for fewer only in a request's last steps.
+            # The chain runs the longest k asked so far, cut to k: a traced chain is one graph per
+            # length, and the engine asks for fewer only in a request's last steps.
             self.chain_k = max(k, self.chain_k)
             room = self.cache.length + ids.shape[1] + self.chain_k - 1 <= self.cache.max_len
             run = self.chain_k if room else k  # near the context's end: only the k asked for
-            compiled = is_compiled(self.draft)
-            if compiled and ids.shape[1] > 1 and (self.cache.length < 2 or ids.shape[1] > ABSORB_MAX_TOKENS):
-                # After a prefill the first pass covers the whole prompt, over an empty cache: run all
-                # but its last position as the prefill is (the draft's prompt graph, workbench.compiled),
-                # so the chain itself (the last position's pass and k-1 steps) is one per-token graph call.
+            if ids.shape[1] > 1 and (self.cache.length < 2 or ids.shape[1] > ABSORB_MAX_TOKENS):
+                # The prompt's pass (or a long catch-up) runs apart, as the prefill does, so the chain
+                # covers a step's few positions: its last position's pass and k-1 steps.
                 ids, new_aux = self._prefix_pass(ids, new_aux)
-            if compiled:  # a slice's strides (the accepted rows of a verify) would fail the chain's stride guards
-                ids, new_aux = ids.clone(memory_format=torch.contiguous_format), tuple(
-                    h.clone(memory_format=torch.contiguous_format) for h in new_aux)
-            # The aux states go in unfused: the chain runs fc itself, inside its compiled graph.
-            chain, probs = self.draft.greedy_chain(ids, new_aux, self.cache, run, attention=self.attention)
+            # The aux states go in unfused: the chain runs fc itself.
+            chain, probs = self.draft.greedy_chain(ids, new_aux, self.cache, run)
             return Proposal(chain[0, :k].tolist(), None, probs[0, :k].tolist())
         hidden = self.draft.combine_hidden_states(new_aux)
-        post, state = self.draft(ids, hidden, self.cache, attention=self.attention)
+        post, state = self.draft(ids, hidden, self.cache)
         out, qs = [], []
         for i in range(k):  # sampled proposals carry their real q for rejection sampling
             q = probs_from_logits(self.draft.compute_logits(post)[0, -1], self.params)
             out.append(sample(q, self.generator)), qs.append(q)
             if i + 1 < k:
-                post, state = self.draft(torch.tensor([[out[-1]]], device=device), state[:, -1:], self.cache,
-                                         attention=self.attention)
+                post, state = self.draft(torch.tensor([[out[-1]]], device=device), state[:, -1:], self.cache)
         return Proposal(out, torch.stack(qs), [float(q[t]) for q, t in zip(qs, out)])
 
 

@@ -12,13 +12,11 @@ p has temperature, top-k and top-p applied exactly as plain decoding applies the
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from workbench.kernels import cpu
 
 
 class SamplingError(ValueError):
@@ -47,12 +45,7 @@ class SamplingParams:
 def check_finite(logits: torch.Tensor, where: str) -> None:
     """-inf is a masked token; NaN, +inf (softmax turns it into NaN) or a row with no finite value is an error."""
     # One pass: a row's max is NaN if any entry is, +inf if one is, -inf if none is finite.
-    rows = logits.reshape(-1, logits.shape[-1])
-    if cpu.serves(rows):
-        finite = all(math.isfinite(m) for m in cpu.row_stats(rows, lse=False)[0])
-    else:
-        finite = bool(torch.isfinite(logits.amax(-1)).all())
-    if not finite:
+    if not bool(torch.isfinite(logits.amax(-1)).all()):
         raise nonfinite_error(where)
 
 
@@ -89,8 +82,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Plain decoding's token from 1-D logits: the argmax when greedy (what sampling the one-hot
     `probs_from_logits` gives, without a multinomial over the vocabulary), else a sample."""
-    if params.greedy and cpu.serves(logits[None]):  # the first index of the max, as ATen's argmax
-        return cpu.row_stats(logits[None], lse=False)[1][0]
     if params.greedy:  # over fp32, exact for bf16 logits, and ATen's argmax runs ~2x faster on it
         return int(logits.float().argmax())
     return sample(probs_from_logits(logits, params), generator)
@@ -99,10 +90,10 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
 def shown_prob(logits: torch.Tensor, params: SamplingParams, token: int) -> float:
     """The verifier's probability of `token` from 1-D logits, as events show it: the softmax when
     greedy, else the processed distribution (temperature, top-k, top-p)."""
-    if params.greedy and cpu.serves(logits[None]):
-        return math.exp(float(logits[token]) - cpu.row_stats(logits[None])[2][0])
-    p = logits.float().softmax(-1) if params.greedy else probs_from_logits(logits, params)
-    return float(p[token])
+    if params.greedy:
+        logits = logits.float()
+        return float((logits[token] - logits.logsumexp(-1)).exp())
+    return float(probs_from_logits(logits, params)[token])
 
 
 @dataclass
@@ -127,22 +118,23 @@ class GreedyAcceptor:
 
     def verify(self, proposals, draft_probs, target_logits, params, generator) -> Verdict:
         k = len(proposals)
-        if cpu.serves(target_logits):  # one pass per row: its max, first argmax and log-sum-exp
-            mx, argmax, lse = cpu.row_stats(target_logits)
-            a = 0
-            while a < k and proposals[a] == argmax[a]:
-                a += 1
-            chosen = target_logits[torch.arange(k), proposals].tolist() if k else []
-            p = [math.exp(x - lse[i]) for i, x in enumerate(chosen)]
-            return Verdict(a, argmax[a], p, math.exp(mx[a] - lse[a]))
         logits = target_logits.float()  # exact for bf16; ATen's argmax is ~2x faster over fp32
-        argmax = logits.argmax(-1).tolist()  # [k+1]
-        shown = logits.softmax(-1) if params.greedy else probs_from_logits(logits, params)
+        argmax = logits.argmax(-1)  # [k+1]
+        if params.greedy:  # the softmax of each proposal and of each argmax, from one log-sum-exp per row
+            lse = logits.logsumexp(-1)
+            rows = torch.arange(k + 1)
+            chosen = logits[rows, torch.tensor(proposals + [0], dtype=torch.long)]
+            p_all = torch.stack([chosen, logits[rows, argmax]]).sub(lse).exp().tolist()
+            p, p_top, argmax = p_all[0][:k], p_all[1], argmax.tolist()
+        else:
+            shown = probs_from_logits(logits, params)
+            argmax = argmax.tolist()
+            p = [float(shown[i, t]) for i, t in enumerate(proposals)]
+            p_top = [float(shown[i, t]) for i, t in enumerate(argmax)]
         a = 0
         while a < k and proposals[a] == argmax[a]:
             a += 1
-        p = [float(shown[i, t]) for i, t in enumerate(proposals)]
-        return Verdict(a, argmax[a], p, float(shown[a, argmax[a]]))
+        return Verdict(a, argmax[a], p, p_top[a])
 
 
 class RejectionAcceptor:

@@ -8,6 +8,8 @@ speculative verification: Sq = k+1) on either backend:
   tensors, or on CPU tensors under the Triton interpreter (`TRITON_INTERPRET=1`);
 * "auto"   -> Triton for CUDA tensors when triton imports, else the twin.
 
+`with_attention("triton", verifier, draft)` is the models with this kernel in their absorbed path.
+
 Triton and the kernel module are imported lazily so this package imports on machines
 without triton (macOS, aarch64 wheels, minimal CPU installs). The kernel file is
 `triton_mla.py`, not `mla_attention.py`: importing a submodule binds its name on this
@@ -22,8 +24,10 @@ import torch
 from torch import Tensor
 
 from workbench.kernels.reference import mla_attention_torch
+from workbench.models.mla import LatentAttention
 
-__all__ = ["mla_attention", "mla_attention_torch", "resolve_backend", "triton_available"]
+__all__ = ["KernelLatentAttention", "mla_attention", "mla_attention_torch", "resolve_backend", "triton_available",
+           "with_attention"]
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -85,3 +89,37 @@ def mla_attention(q_lat: Tensor, q_pe: Tensor, cache: Tensor, seq_lens: Tensor, 
 
     return mla_attention_triton(q_lat, q_pe, cache, seq_lens, sm_scale,
                                 block_table=block_table, num_kv_splits=num_kv_splits)
+
+
+class KernelLatentAttention(LatentAttention):
+    """The models' `LatentAttention` with its attention in `mla_attention` on `backend` ("triton")."""
+
+    backend = "triton"
+
+    def forward(self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, seq_len: int | Tensor, bound: int, w_uk: Tensor,
+                w_uv: Tensor, scale: float) -> Tensor:
+        B, T = q_nope.shape[:2]
+        q_lat = torch.einsum("btnp,npl->btnl", q_nope, w_uk)
+        seq_lens = torch.as_tensor(seq_len, device=rows.device).to(torch.int32).reshape(-1).expand(B)
+        o_lat, _ = mla_attention(q_lat, q_pe.contiguous(), rows, seq_lens, scale, max_seq_len=bound,
+                                 backend=self.backend)
+        return torch.einsum("btnl,nvl->btnv", o_lat, w_uv).reshape(B, T, -1)
+
+
+def with_attention(backend: str, *models: torch.nn.Module, memo: dict | None = None) -> tuple[torch.nn.Module, ...]:
+    """Copies of `models` whose absorbed-MLA attention runs on `backend` ("torch": the models' own;
+    "triton"); the models given are unchanged. `memo` as in `workbench.variants.copy_modules`."""
+    from workbench.variants import copy_modules, shallow_copy
+
+    memo = {} if memo is None else memo
+    if resolve_backend(backend, next(models[0].parameters()).device) == "torch":
+        return tuple(copy_modules(m, memo=memo) for m in models)
+
+    def twin(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
+        if type(module) is not LatentAttention:
+            return None
+        new = shallow_copy(module)
+        new.__class__ = KernelLatentAttention
+        return new
+
+    return tuple(copy_modules(m, twin, memo) for m in models)

@@ -1,21 +1,20 @@
 """CPU kernels for the eager per-token steps: a decode, a verify of k+1 tokens, a draft pass.
 
-At the embedded pair's size (hidden 256) an eager step is hundreds of tiny operations, and on
-this project's CPUs torch's bf16 `linear` costs 20-90 us a call whatever its size (oneDNN
-reorders the weights on every call; measured in the README, Performance). `cpu_kernels.cpp`
-does each piece of a layer in one call over weights packed once: a linear that streams its
+At the embedded pair's size an eager step is hundreds of tiny operations whose calls cost more
+than their arithmetic (docs/PERFORMANCE.md). `cpu_kernels.cpp` does each piece of a layer in one
+call over weights packed once: a linear that streams its
 packed weights for up to four rows at a time, RMSNorm, absorbed-MLA attention over one
 sequence's cache rows, the MoE routing and SwiGLU. Each output row is computed alone and in the
 same order however many rows a call has, so a verify rounds every row as a decode does.
 
 The library is compiled from `cpu_kernels.cpp` on first use (`g++ -O3 -march=native`, a few
 seconds) into `$WORKBENCH_CACHE_DIR` (default `~/.cache/workbench`), keyed by the source, the
-compiler and this CPU, and loaded with ctypes. Where it cannot be built or this CPU lacks
-AVX-512 (`wb_isa()` < 1), or `WORKBENCH_CPU_KERNELS=0`, `serves()` is False and the models use
-torch's own operations, as before. `status()` says which, and why.
+compiler and this CPU, and loaded with ctypes. Where it cannot be built or this CPU lacks the
+instructions (`wb_isa()` < 1), or `WORKBENCH_CPU_KERNELS=0`, `available()` is False and models
+run torch's own operations. `status()` says which, and why.
 
-Weights derived from a module's parameters (packed, concatenated, absorbed) are kept on the
-module and rebuilt whenever a source parameter changes (`derived`).
+This file is the library and its calls; `cpu_modules.py` builds kernel-backed twins of the
+models' modules from their weights and swaps them into a copy of a model (`accelerate`).
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ import os
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -126,11 +125,11 @@ def reset() -> None:
 
 
 def serves(x: Tensor, rows: int | None = None) -> bool:
-    """Whether a call on activations `x` [..., H] goes to these kernels: eager inference on the
-    CPU (no autograd, not traced by torch.compile), fp32 or bf16, at most MAX_ROWS rows."""
+    """Whether a call on activations `x` [..., H] can go to these kernels: inference on the CPU (no
+    autograd), fp32 or bf16, at most MAX_ROWS rows, and the library loaded."""
     if torch.is_grad_enabled() or not x.is_cpu or x.dtype not in _DTYPES:
         return False
-    if (x.numel() // max(x.shape[-1], 1) if rows is None else rows) > MAX_ROWS or torch.compiler.is_compiling():
+    if (x.numel() // max(x.shape[-1], 1) if rows is None else rows) > MAX_ROWS:
         return False
     lib = _state.get("lib", False)
     return (_lib() if lib is False else lib) is not None
@@ -139,41 +138,6 @@ def serves(x: Tensor, rows: int | None = None) -> bool:
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"workbench/kernels/cpu_kernels.cpp: {what} returned {rc}")
-
-
-_epoch = [0]  # bumped whenever any module gets a parameter or a submodule assigned (see `derived`)
-
-
-def _assigned(*_args) -> None:
-    _epoch[0] += 1
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_assigned)
-torch.nn.modules.module.register_module_module_registration_hook(_assigned)
-
-
-def derived(owner: torch.nn.Module, key: str, sources: Callable[[], Sequence[Tensor]], build: Callable[[], object],
-            settings: tuple = ()):
-    """`build()`'s result, kept on `owner` until one of `sources()` or `settings` changes.
-
-    A source changes when written in place or moved (its version, storage or dtype), or when any
-    module anywhere has had a parameter or submodule assigned since (a load_state_dict(assign=True),
-    `m.weight = ...`, the doctor swapping a draft's embedding), after which `sources()` is asked
-    again. `settings` are plain values the result depends on (flags the doctor flips, eps...),
-    compared on every call. A check costs a few attribute reads per source. Sources created in
-    inference mode keep no version, so a result built from them is not kept: built on every call.
-    """
-    cache = owner.__dict__.setdefault("_cpu_derived", {})
-    hit = cache.get(key)
-    if hit is not None and hit[0] == _epoch[0] and hit[2] == settings and all(
-            t._version == v and t.data_ptr() == p and t.dtype == d for t, v, p, d in hit[1]):
-        return hit[3]
-    tensors = sources()
-    with torch.no_grad():
-        value = build()
-    if not any(t.is_inference() for t in tensors):
-        cache[key] = (_epoch[0], [(t, t._version, t.data_ptr(), t.dtype) for t in tensors], settings, value)
-    return value
 
 
 class PackedLinear:
@@ -214,18 +178,6 @@ class PackedLinear:
                                        None if r is None else r.data_ptr(), x.shape[0], N, self.k_padded,
                                        _DTYPES[x.dtype]), "wb_linear")
         return y
-
-
-def linear(module: torch.nn.Linear, x: Tensor, residual: Tensor | None = None) -> Tensor:
-    """`module(x)` (+ residual) through the module's packed weight (no bias)."""
-    return derived(module, "packed", lambda: (module.weight,), lambda: PackedLinear(module.weight))(x, residual)
-
-
-def project(module: torch.nn.Linear, x: Tensor) -> Tensor:
-    """`module(x)`, through its packed weight where the kernels serve this call."""
-    if module.bias is None and module.weight.dtype == x.dtype and serves(x):
-        return linear(module, x)
-    return module(x)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
@@ -284,15 +236,21 @@ def moe_route(x: Tensor, router, extra: int) -> Tensor:
     experts' weights, zeros elsewhere, and `extra` trailing columns of 1 (the shared experts)."""
     T, H = x.shape
     E = router.weight.shape[0]
-    w = derived(router, "fp32", lambda: (router.weight, router.e_score_correction_bias),
-                lambda: (router.weight.float().contiguous(), router.e_score_correction_bias.float().contiguous()))
+    w = router_weights(router)
     x = x.contiguous()
     dense = torch.empty(T, E + extra)
-    _check(_state["lib"].wb_moe_route(x.data_ptr(), w[0].data_ptr(), w[1].data_ptr(), dense.data_ptr(), T, H, E,
+    _check(_state["lib"].wb_moe_route(x.data_ptr(), w[0].data_ptr(), None if w[1] is None else w[1].data_ptr(), dense.data_ptr(), T, H, E,
                                       extra, router.n_group, router.topk_group, router.top_k,
                                       int(router.norm_topk_prob), router.scaling, int(router.sigmoid),
                                       _DTYPES[x.dtype]), "wb_moe_route")
     return dense
+
+
+def router_weights(router) -> tuple[Tensor, Tensor | None]:
+    """A router's weight [E, H] and correction bias [E] (None without one) as contiguous fp32."""
+    bias = getattr(router, "e_score_correction_bias", None)
+    return (router.weight.detach().float().contiguous(),
+            None if bias is None else bias.detach().float().contiguous())
 
 
 def swiglu(h: Tensor, groups: int, weight: Tensor | None = None) -> Tensor:
@@ -375,9 +333,8 @@ class FfnBlock:
         r = b = None
         E = n_group = topk_group = top_k = 0
         if router is not None:
-            self.router = (router.weight.detach().float().contiguous(),
-                           router.e_score_correction_bias.detach().float().contiguous())
-            r, b = self.router[0].data_ptr(), self.router[1].data_ptr()
+            self.router = router_weights(router)
+            r, b = self.router[0].data_ptr(), None if self.router[1] is None else self.router[1].data_ptr()
             E, n_group, topk_group, top_k = router.weight.shape[0], router.n_group, router.topk_group, router.top_k
         self.plan = _FfnPlan(self.gate_up.data.data_ptr(), self.down.data.data_ptr(), r, b, down.shape[0], groups,
                              inter, E, n_group, topk_group, top_k, int(bool(router and router.norm_topk_prob)),

@@ -15,9 +15,8 @@ visible key (seq_lens[b] < Sq - s) gets out = 0 and lse = -inf, which is what me
 attentions by their LSE expects of an empty set of keys.
 
 The math is fp32 whatever the input dtype; `out` comes back in q_lat's dtype, `lse` in fp32.
-Everything is batched (one matmul for scores, one for values) because the engine calls this
-for every decode/verify step on CPU. It reads the whole cache row at once, so the query is
-concatenated to width L+R instead of slicing the cache into two strided views.
+The math itself is the models' own (`workbench.models.mla.latent_attention`); this twin adds the
+kernel's signature: checked inputs, paged caches, stale slots zeroed.
 """
 from __future__ import annotations
 
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from workbench.models.mla import latent_attention
 
 _WHERE = "workbench/kernels/reference.py: mla_attention"
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -132,26 +133,6 @@ def _zero_past_lengths(kv: Tensor, pos: Tensor, seq_lens: Tensor) -> Tensor:
     return torch.where((pos[None, :] < seq_lens[:, None])[..., None], kv, torch.zeros_like(kv))
 
 
-KEY_BLOCK = 64  # compiled, keys are read in whole blocks of this many (keys_in_blocks)
-
-
-def keys_in_blocks(cache: Tensor, seq_lens: Tensor, n: int) -> tuple[Tensor, int]:
-    """Rows [B, n', L+R] of a contiguous cache for n' = n rounded up to whole KEY_BLOCKs, zeroed
-    past each sequence's length (and past the buffer's end), and n'. For compiled graphs.
-
-    Inductor's C++ sums a reduction over n keys as whole 16-lane vectors, then a scalar tail
-    from 16 * (n // 16) on. A 4-token verify reduces over n = start + 4 keys for each of its rows,
-    a decode of the same row over n = its position + 1, so the two grouped that row's exp() terms
-    differently: the fp32 sums differed in the last bit, and in bf16 three greedy near-ties of
-    64 prompts x 512 tokens flipped. Over zero-padded whole blocks every row gets the same
-    vectors and no tail whichever call computes it (the extra terms are exact zeros), so a
-    decode and a verify round each row alike at any length (tests/test_compiled.py).
-    """
-    n = (n + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
-    pos = torch.arange(n, device=cache.device)
-    return _zero_past_lengths(cache[:, pos.clamp(max=cache.shape[1] - 1)], pos, seq_lens), n
-
-
 def mla_attention_torch(q_lat: Tensor, q_pe: Tensor, cache: Tensor, seq_lens: Tensor,
                         sm_scale: float, *, block_table: Tensor | None = None,
                         num_kv_splits: int | None = None,
@@ -173,29 +154,7 @@ def mla_attention_torch(q_lat: Tensor, q_pe: Tensor, cache: Tensor, seq_lens: Te
                          f"capacity), got {max_seq_len}")
     else:
         n = max_seq_len
-    batch, q_len, heads, kv_lora = q_lat.shape
     if n == 0:
         return (torch.zeros_like(q_lat),
-                torch.full((batch, q_len, heads), float("-inf"), device=q_lat.device))
-    compiling = torch.compiler.is_compiling()  # reductions, not matmuls: the same code for any Sq (models/mla.py)
-    if compiling and block_table is None:
-        kv, n = keys_in_blocks(cache, seq_lens, n)
-    else:
-        kv = gather_kv(cache, seq_lens, n, block_table)
-    kv = kv.float()  # [B, n, L+R]
-    q = torch.cat([q_lat, q_pe], dim=-1).float()  # [B, Sq, H, L+R]
-    if compiling:
-        scores = (q[:, :, :, None, :] * kv[:, None, None]).sum(-1) * sm_scale
-    else:
-        scores = torch.einsum("bshd,btd->bsht", q, kv) * sm_scale  # [B, Sq, H, n]
-    pos = torch.arange(n, device=q.device)
-    limit = seq_lens[:, None] - (q_len - 1 - torch.arange(q_len, device=q.device))[None, :]
-    visible = pos[None, None, :] < limit[:, :, None]  # [B, Sq, n]
-    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, Sq, H]; -inf for rows with no visible key
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    if compiling:
-        out = (probs[..., None] * kv[:, None, None, :, :kv_lora]).sum(-2)
-    else:
-        out = torch.einsum("bsht,btl->bshl", probs, kv[..., :kv_lora])
-    return out.to(q_lat.dtype), lse
+                torch.full(q_lat.shape[:3], float("-inf"), device=q_lat.device))
+    return latent_attention(q_lat, q_pe, gather_kv(cache, seq_lens, n, block_table), seq_lens, sm_scale)

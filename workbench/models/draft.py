@@ -10,11 +10,9 @@ What EAGLE-3 changes against a verifier layer (eagle3_mla.md §3):
   is what vLLM feeds back (`norm_output` feeds back the post-norm state: EAGLE-3.1).
 - embedding and lm_head are the verifier's unless the checkpoint ships its own; a reduced
   draft vocabulary maps back through `d2t` (target id = i + d2t[i]).
-Variants are bound once at construction or through plain attributes the doctor can flip.
+Variants are bound once at construction (the doctor probes others on weight-sharing copies).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +20,6 @@ from torch import nn
 
 from workbench.cache import KVCache
 from workbench.config import DraftConfig
-from workbench.kernels import cpu
 from workbench.models.mla import MLAttention, causal_mask
 from workbench.models.moe import MLP
 from workbench.models.norm import RMSNorm
@@ -65,7 +62,7 @@ class MHAttention(nn.Module):
         return o.transpose(1, 2).reshape(B, T, -1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0, path: str = "auto", backend: str = "torch") -> torch.Tensor:
+                layer: int = 0, path: str = "auto") -> torch.Tensor:
         T = x.shape[1]
         q, new_rows = self.project(x, positions)
         if cache is None:
@@ -74,8 +71,8 @@ class MHAttention(nn.Module):
         rows = cache.write(layer, start, new_rows)
         return self.o_proj(self.attend(q, rows, causal_mask(T, start, x.device)))
 
-    def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int, bound: int,
-                   backend: str = "torch") -> torch.Tensor:
+    def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int,
+                   bound: int) -> torch.Tensor:
         """As `MLAttention.forward_at`: new tokens from a position held as a 0-d tensor."""
         T = x.shape[1]
         positions = position + torch.arange(T, device=x.device)[None]
@@ -97,8 +94,8 @@ class Eagle3DecoderLayer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, embeds: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache | None, **attn) -> torch.Tensor:
-        return self.block(embeds, h, lambda x: self.self_attn(x, positions, cache, 0, **attn))
+                cache: KVCache | None, path: str = "auto") -> torch.Tensor:
+        return self.block(embeds, h, lambda x: self.self_attn(x, positions, cache, 0, path))
 
     def block(self, embeds: torch.Tensor, h: torch.Tensor, attend) -> torch.Tensor:
         """The layer around any attention `attend(x_2H) -> [B,T,H]` (the trainer's TTT attention)."""
@@ -147,23 +144,23 @@ class Eagle3Draft(nn.Module):
         return KVCache(1, self.config.cache_row, max_len, batch, p.dtype, p.device, name="draft cache")
 
     def combine_hidden_states(self, aux: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
-        """fc over concat(h_lo, h_mid, h_hi): [B, T, 3H] -> [B, T, H].
-
-        Each state is viewed at the configured width first: traced with dynamic shapes, the
-        inputs' widths are symbols, and inductor's C++ GEMM takes only a known reduction width
-        (otherwise fc alone fell back to oneDNN's linear)."""
-        width = self.config.target_hidden_size
+        """fc over concat(h_lo, h_mid, h_hi): [B, T, 3H] -> [B, T, H]."""
+        width = self.config.target_hidden_size  # a static width, whatever the inputs' shapes say (traced graphs)
         x = torch.cat([h.reshape(*h.shape[:-1], width) for h in aux], dim=-1)
-        return cpu.project(self.fc, x.to(self.fc.weight.dtype))  # the draft may run in its own dtype
+        return self.fc(x.to(self.fc.weight.dtype))  # the draft may run in its own dtype
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None, path: str = "auto",
-                attention: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+                positions: torch.Tensor | None = None, path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass: tokens [B,T] with states [B,T,H] -> (post-norm, state to feed back).
 
         With a cache, the rows go at `cache.length` (= the position of the first token) and
         the length advances by T.
         """
+        return self.draft_pass(input_ids, hidden, cache, positions, path)
+
+    def draft_pass(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache | None = None,
+                   positions: torch.Tensor | None = None, path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s body, which `greedy_chain` calls directly (a fast path may wrap forward alone)."""
         T = input_ids.shape[1]
         start = cache.length if cache is not None else 0
         if cache is not None:
@@ -171,18 +168,18 @@ class Eagle3Draft(nn.Module):
         if positions is None:
             positions = torch.arange(start, start + T, device=input_ids.device)[None]
         attn = self.layers[0].self_attn
-        out = self._pass(input_ids, hidden, lambda x: attn(x, positions, cache, 0, path=path, backend=attention))
+        out = self._pass(input_ids, hidden, lambda x: attn(x, positions, cache, 0, path))
         if cache is not None:
             cache.advance(T)
         return out
 
     def forward_at(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache, position: torch.Tensor,
-                   bound: int, attention: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+                   bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` from a position held as a 0-d tensor (the fused step's chain, whose next position
         depends on how many proposals were just accepted); `bound` as in `MLAttention.forward_at`.
         The cache's length is the caller's to set."""
         attn = self.layers[0].self_attn
-        return self._pass(input_ids, hidden, lambda x: attn.forward_at(x, position, cache, 0, bound, attention))
+        return self._pass(input_ids, hidden, lambda x: attn.forward_at(x, position, cache, 0, bound))
 
     def _pass(self, input_ids: torch.Tensor, hidden: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedding, the layer around `attend`, the final norm: (post-norm, state to feed back)."""
@@ -194,7 +191,7 @@ class Eagle3Draft(nn.Module):
     def compute_logits(self, post: torch.Tensor) -> torch.Tensor:
         """Logits over the verifier's vocabulary (draft-vocab logits scattered through d2t)."""
         head = self.part("lm_head")
-        logits = cpu.project(head, post.to(head.weight.dtype))
+        logits = head(post.to(head.weight.dtype))
         if self.config.draft_vocab_size == self.config.vocab_size:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
@@ -202,86 +199,42 @@ class Eagle3Draft(nn.Module):
         full[..., target] = logits
         return full
 
-    def _greedy_pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The argmax of draft-vocabulary logits [B, 1, V] as target ids [B, 1] and its softmax probability [B, 1]."""
-        if logits.shape[0] == 1 and cpu.serves(logits):  # one pass over the row (workbench.kernels.cpu)
-            mx, (d,), lse = cpu.row_stats(logits[0])
-            if hasattr(self, "d2t"):
-                d += cpu.derived(self, "d2t", lambda: (self.d2t,), self.d2t.tolist)[d]
-            return torch.tensor([[d]], device=logits.device), torch.tensor([[math.exp(mx[0] - lse[0])]])
-        logits = logits.float()
-        d = logits.argmax(-1)  # [B, 1]
+    def greedy_pick(self, post: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The argmax of the draft head over post [B, 1, H], as target ids [B, 1], and its softmax probability [B, 1].
+
+        Over the draft's own vocabulary: the same argmax and softmax as compute_logits' scattered
+        row (-inf elsewhere), without building a full-vocabulary row per step.
+        """
+        head = self.part("lm_head")
+        logits = head(post.to(head.weight.dtype)).float()
+        d = logits.argmax(-1)
         p = logits.softmax(-1).gather(-1, d[..., None])[..., 0]
         return (d + self.d2t[d] if hasattr(self, "d2t") else d), p
 
-    def _chain_serves(self, input_ids: torch.Tensor, hidden) -> bool:
-        """Whether `workbench.kernels.cpu.EagleChain` takes this chain: one sequence, an MLA layer,
-        the draft's dtype throughout, within the kernels' rows."""
-        h = hidden[0] if isinstance(hidden, (tuple, list)) else hidden
-        dtype = self.norm.weight.dtype
-        return (input_ids.shape[0] == 1 and self.config.attention == "mla" and h.dtype == dtype
-                and self.part("embed_tokens").weight.dtype == dtype == self.part("lm_head").weight.dtype
-                and cpu.serves(h, rows=input_ids.shape[1]))
-
-    def _kernel_chain(self, input_ids: torch.Tensor, hidden, cache: KVCache, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`greedy_chain` in one call of the CPU kernels (the same kernels the passes run one by one)."""
-        T = input_ids.shape[1]
-        cache.check_room(T + k - 1)
-        if isinstance(hidden, (tuple, list)):
-            hidden = self.combine_hidden_states(hidden)  # in Python: the fusion analysis patches it
-        layer, head, embed = self.layers[0], self.part("lm_head"), self.part("embed_tokens")
-        attn = layer.self_attn
-        parts = (attn.kernel_block(), layer.mlp.kernel_block(),
-                 cpu.derived(head, "packed", lambda: (head.weight,), lambda: cpu.PackedLinear(head.weight)),
-                 attn.rotary.tables(embed.weight.dtype, cache.max_len))
-        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, self.norm)
-        tensors = [embed.weight, *(n.weight for n in norms), *([self.d2t] if hasattr(self, "d2t") else [])]
-        settings = (layer.norm_before_residual, self.norm_output, *(n.eps for n in norms), id(embed), id(head))
-        chain = cpu.derived(self, "chain", lambda: tensors, lambda: cpu.EagleChain(
-            parts[0], parts[1], [(n.weight, n.eps) for n in norms], embed.weight, parts[2],
-            getattr(self, "d2t", None), *parts[3], layer.norm_before_residual, self.norm_output), settings)
-        if chain.parts != parts[:3] or chain.tensors[-2] is not parts[3][0]:  # a part was rebuilt since
-            self._cpu_derived.pop("chain")
-            return self._kernel_chain(input_ids, hidden, cache, k)
-        tokens, probs = chain(input_ids[0], hidden.reshape(T, -1), cache.layer(0)[0], cache.length, k)
-        cache.advance(T + k - 1)
-        return tokens[None].to(input_ids.device), probs[None]
-
     def greedy_chain(self, input_ids: torch.Tensor, hidden: torch.Tensor | tuple[torch.Tensor, ...],
-                     cache: KVCache, k: int, attention: str = "torch",
-                     last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     cache: KVCache, k: int, last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first pass plus k-1 greedy steps with no trip to the host between them.
 
         `hidden` is the fused state [B, T, H], or the verifier's aux states (a tuple), which `fc`
-        then fuses here, inside the chain's graph once compiled, rather than as an eager call.
-        Returns proposals [B, k] and each one's draft probability [B, k] (softmax of its logits).
-        Every step reads the previous argmax as a tensor, so once compiled the whole chain is
-        one graph: one call per speculative step instead of k forwards and k eager lm_heads.
-        The chain continues from the first pass's last row, or from row `last` (a 0-d tensor:
-        the fused step passes every verified row and continues after the accepted ones; rows
-        after `last` are left for the next first pass to overwrite).
+        then fuses here. Returns proposals [B, k] and each one's draft probability [B, k] (softmax
+        of its logits). Every step reads the previous argmax as a tensor, so a traced chain is one
+        graph. The chain continues from the first pass's last row, or from row `last` (a 0-d
+        tensor: the fused step passes every verified row and continues after the accepted ones;
+        rows after `last` are left for the next first pass to overwrite).
         """
-        if last is None and attention == "torch" and self._chain_serves(input_ids, hidden):
-            return self._kernel_chain(input_ids, hidden, cache, k)
         if isinstance(hidden, (tuple, list)):
             hidden = self.combine_hidden_states(hidden)
-        forward = type(self).forward  # the eager method, also when `forward` is a compiled wrapper
         start, T = cache.length, input_ids.shape[1]
-        post, state = forward(self, input_ids, hidden, cache, attention=attention)
+        post, state = self.draft_pass(input_ids, hidden, cache)
         if last is not None:
             row = last.reshape(1)
             post, state = post.index_select(1, row), state.index_select(1, row)
-        head = self.part("lm_head")
         tokens, probs = [], []
         for i in range(k):
-            # Over the draft's own vocabulary: the same argmax and softmax as compute_logits'
-            # scattered row (-inf elsewhere), without building a full-vocabulary row per step.
-            logits = cpu.project(head, post[:, -1:].to(head.weight.dtype))  # [B, 1, draft_vocab]
-            t, p = self._greedy_pick(logits)
+            t, p = self.greedy_pick(post[:, -1:])
             tokens.append(t), probs.append(p)
             if i + 1 < k and last is None:
-                post, state = forward(self, t, state[:, -1:], cache, attention=attention)
+                post, state = self.draft_pass(t, state[:, -1:], cache)
             elif i + 1 < k:  # at start + last + 1 + i, a position only the device knows
-                post, state = self.forward_at(t, state[:, -1:], cache, start + last + 1 + i, start + T + k - 1,
-                                              attention)
+                post, state = self.forward_at(t, state[:, -1:], cache, start + last + 1 + i, start + T + k - 1)
         return torch.cat(tokens, 1), torch.cat(probs, 1)

@@ -11,13 +11,11 @@ Per token (eagle3_mla.md §4):
 then ordinary attention with qk dim P+R and v dim V.
 *Absorbed* (data-movement-friendly, for decode and verifying k+1 tokens): fold W_UK into the
 query, q_lat = q_nope W_UK (width L), attend MQA-style over the cache rows themselves with
-values = c_kv, and unfold W_UV afterwards. Same numbers, reassociated; the attention
-itself runs in `workbench.kernels.mla_attention` (Triton on CUDA, its PyTorch twin on CPU).
-The softmax scale stays 1/sqrt(P+R) * mscale^2 in both paths.
+values = c_kv, and unfold W_UV afterwards. Same numbers, reassociated. The softmax scale
+stays 1/sqrt(P+R) * mscale^2 in both paths.
 
-Eager decode and verify steps on the CPU go through `workbench.kernels.cpu` (`_kernel_step`):
-the absorbed path with W_UK folded into the query projection and W_UV into o_proj ahead of
-time, q_a and kv_a as one projection, RoPE as two rows of it, the whole attention one call.
+The absorbed path's attention is a child module, `LatentAttention`, so that a fast path can put
+its own in its place and test it against this one.
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ from torch import nn
 
 from workbench.cache import KVCache
 from workbench.config import MLADims
-from workbench.kernels import cpu, mla_attention
 from workbench.models.norm import RMSNorm
 from workbench.models.rope import RotaryEmbedding
 
@@ -39,6 +36,41 @@ def causal_mask(num_new: int, start: int, device: torch.device) -> torch.Tensor:
     q = torch.arange(num_new, device=device)[:, None] + start
     k = torch.arange(start + num_new, device=device)[None, :]
     return k <= q
+
+
+def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, seq_lens: int | torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQA of q_lat [B,T,N,L] and q_pe [B,T,N,R] over latent rows [B,S,L+R]: (out [B,T,N,L], lse [B,T,N]).
+
+    Query t of sequence b sees rows j < seq_lens[b] - (T-1-t) (the T new tokens are the last of
+    seq_lens[b]); seq_lens is an int, a 0-d tensor or [B]. fp32 math, out in q_lat's dtype; a query
+    with no visible row gets out 0 and lse -inf.
+    """
+    B, T, N, L = q_lat.shape
+    S = rows.shape[1]
+    kv = rows.float()
+    q = torch.cat([q_lat, q_pe], dim=-1).float()
+    scores = torch.einsum("bshd,btd->bsht", q, kv) * scale  # [B, T, N, S]
+    lens = torch.as_tensor(seq_lens, device=rows.device).reshape(-1, 1)  # [B or 1, 1]
+    limit = lens - (T - 1 - torch.arange(T, device=rows.device))  # [B or 1, T]
+    visible = torch.arange(S, device=rows.device) < limit[..., None]  # [B or 1, T, S]
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return torch.einsum("bsht,btl->bshl", probs, kv[..., :L]).to(q_lat.dtype), lse
+
+
+class LatentAttention(nn.Module):
+    """The absorbed path's attention: q_lat = q_nope W_UK, MQA over the latent rows, W_UV after."""
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, seq_len: int | torch.Tensor,
+                bound: int, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+        """q_nope [B,T,N,P], q_pe [B,T,N,R], a layer's cache rows [B,S_max,L+R] of which the first
+        seq_len hold keys and the first `bound` (an int >= seq_len) may be read -> [B,T,N*V]."""
+        B, T = q_nope.shape[:2]
+        q_lat = torch.einsum("btnp,npl->btnl", q_nope, w_uk)
+        o_lat, _ = latent_attention(q_lat, q_pe, rows[:, :bound], seq_len, scale)
+        return torch.einsum("btnl,nvl->btnv", o_lat, w_uv).reshape(B, T, -1)
 
 
 class MLAttention(nn.Module):
@@ -61,6 +93,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, hidden_size, bias=False)
         self.rotary = RotaryEmbedding(self.rope, dims.rope_theta, dims.rope_scaling, dims.rope_interleave)
         self.scale = dims.softmax_scale
+        self.latent = LatentAttention()
 
     @property
     def row_width(self) -> int:
@@ -98,105 +131,33 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
         return w[:, : self.nope], w[:, self.nope:]
 
-    def attend_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache_rows: torch.Tensor,
-                        seq_len: int | torch.Tensor, backend: str, bound: int | None = None) -> torch.Tensor:
-        """MQA over the cache rows [B, S_max, L+R] (first seq_len valid, the T new ones last).
-
-        `seq_len` may be a 0-d tensor (a length known only on the device); `bound` >= it is then
-        how many rows are read, the rest masked.
-        """
-        B, T = q_nope.shape[:2]
+    def attend_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
+                        seq_len: int | torch.Tensor, bound: int) -> torch.Tensor:
+        """Attention over a layer's cache rows [B, S_max, L+R] whose first seq_len hold the keys (the T
+        new ones last); `bound` >= seq_len rows are read (a traced graph sees the whole buffer)."""
         w_uk, w_uv = self.absorbed_weights()
-        if torch.compiler.is_compiling():
-            # Compiled, the kernel of a matmul (and einsum's own shape checks) depend on T, so a
-            # 1-token decode and a k+1-token verify would round the same row differently (in bf16
-            # a greedy near-tie then flips). Plain reductions give every row the same code
-            # whatever T is, so one graph serves both and rounds them alike. contiguous(): in fp32
-            # `.float()` is a no-op, and inductor specialised the 1-token graph on this strided
-            # split of q (a size-1 dim's stride), so a verify compiled and ran a graph of its own.
-            q_lat = (q_nope.float().contiguous()[..., None] * w_uk.float()).sum(-2).to(q_nope.dtype)
-        else:
-            q_lat = torch.einsum("btnp,npl->btnl", q_nope, w_uk)
-        if isinstance(seq_len, torch.Tensor):
-            seq_lens = seq_len.to(torch.int32).reshape(1).expand(B)
-        else:
-            seq_lens, bound = torch.full((B,), seq_len, dtype=torch.int32, device=q_nope.device), seq_len
-        o_lat, _ = mla_attention(q_lat, q_pe.contiguous(), cache_rows, seq_lens, self.scale,
-                                 max_seq_len=bound, backend=backend)
-        if torch.compiler.is_compiling():  # as for q_lat above
-            o = (o_lat.float()[:, :, :, None, :] * w_uv.float()).sum(-1).to(o_lat.dtype)
-        else:
-            o = torch.einsum("btnl,nvl->btnv", o_lat, w_uv)
-        return o.reshape(B, T, self.n_heads * self.v_dim)
+        return self.latent(q_nope, q_pe, rows, seq_len, bound, w_uk, w_uv, self.scale)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0, path: str = "auto", backend: str = "torch") -> torch.Tensor:
+                layer: int = 0, path: str = "auto") -> torch.Tensor:
         """Attend the new tokens x [B,T,in] to the cache's first `cache.length` tokens and themselves.
 
         Writes the new rows into `cache` at `cache.length`; the caller advances the length once
         every layer has written. Without a cache the tokens attend causally among themselves.
         """
         T = x.shape[1]
-        if cache is not None and path != "naive" and backend == "torch" and x.shape[0] == 1 and cpu.serves(x):
-            return self._kernel_step(x, positions, cache, layer)  # any T the kernels take: their attention is absorbed
-        absorbed = path == "absorbed" or (path == "auto" and T <= ABSORB_MAX_TOKENS)
         q_nope, q_pe, new_rows = self.project(x, positions)
         if cache is None:
             mask = causal_mask(T, 0, x.device) if T > 1 else None
             return self.o_proj(self.attend_naive(q_nope, q_pe, new_rows, mask))
         start = cache.length
         rows = cache.write(layer, start, new_rows)
-        if absorbed:
-            o = self.attend_absorbed(q_nope, q_pe, cache.layer(layer), start + T, backend)
-        else:
-            o = self.attend_naive(q_nope, q_pe, rows, causal_mask(T, start, x.device))
-        return self.o_proj(o)
+        if path == "absorbed" or (path == "auto" and T <= ABSORB_MAX_TOKENS):
+            return self.o_proj(self.attend_absorbed(q_nope, q_pe, cache.layer(layer), start + T, start + T))
+        return self.o_proj(self.attend_naive(q_nope, q_pe, rows, causal_mask(T, start, x.device)))
 
-    def _kernel_settings(self) -> tuple:
-        """What `_build_kernel_block` bakes in besides the weights (the doctor flips the RoPE pairing)."""
-        eps = (self.kv_a_layernorm.eps, self.q_a_layernorm.eps if self.q_lora is not None else None)
-        return self.rotary.interleave, self.scale, eps
-
-    def _kernel_sources(self) -> list[torch.Tensor]:
-        q = (self.q_proj,) if self.q_lora is None else (self.q_a_proj, self.q_b_proj, self.q_a_layernorm)
-        return [m.weight for m in (*q, self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj, self.o_proj)]
-
-    def kernel_block(self) -> cpu.MlaBlock:
-        """This attention as one `cpu.MlaBlock` call, kept until a weight or a setting changes."""
-        return cpu.derived(self, "absorbed", self._kernel_sources, self._build_kernel_block, self._kernel_settings())
-
-    def _build_kernel_block(self) -> cpu.MlaBlock:
-        """The absorbed projections, packed.
-
-        "a" maps x to [c_q (q_lora) | c_kv | k_pe as `as_rows`' two halves] (with q_lora), "q"
-        maps c_q (or x) to [q_lat = q_nope W_UK per head (L) | q_pe's two halves per head], and
-        "o" maps the heads' latent outputs to the hidden size through W_UV and o_proj at once.
-        Products are formed in fp32 and rounded to the weights' dtype once.
-        """
-        N, P, L = self.n_heads, self.nope, self.kv_lora
-        dtype = self.kv_a_proj_with_mqa.weight.dtype
-        w_uk, w_uv = (w.float() for w in self.absorbed_weights())
-        wq = (self.q_proj if self.q_lora is None else self.q_b_proj).weight.float().view(N, P + self.rope, -1)
-        q_lat = torch.einsum("npl,npi->nli", w_uk, wq[:, :P]).reshape(N * L, -1)
-        pe = [self.rotary.as_rows(wq[h, P:]) for h in range(N)]
-        q = torch.cat([q_lat, *(a for a, _ in pe), *(b for _, b in pe)])
-        kv = self.kv_a_proj_with_mqa.weight.float()
-        a = torch.cat([kv[:L], *self.rotary.as_rows(kv[L:])])
-        a = torch.cat([q if self.q_lora is None else self.q_a_proj.weight.float(), a])
-        wo = self.o_proj.weight.float().view(-1, N, self.v_dim)
-        o = torch.einsum("hnv,nvl->hnl", wo, w_uv).reshape(wo.shape[0], N * L)
-        q_norm = None if self.q_lora is None else (self.q_a_layernorm.weight, self.q_a_layernorm.eps)
-        return cpu.MlaBlock(a.to(dtype), None if self.q_lora is None else q.to(dtype), o.to(dtype), q_norm,
-                            (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps), self.scale, N, L, self.rope)
-
-    def _kernel_step(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int) -> torch.Tensor:
-        """`forward`'s absorbed path for one sequence through `workbench.kernels.cpu`, in one call."""
-        cache.check_room(x.shape[1])  # the new rows go straight into the cache
-        cos2, sin2 = self.rotary.halves(positions[0], x.dtype, cache.max_len)
-        return self.kernel_block()(x[0], cache.layer(layer)[0], cache.length, cos2, sin2)[None]
-
-    def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int, bound: int,
-                   backend: str = "torch") -> torch.Tensor:
+    def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int,
+                   bound: int) -> torch.Tensor:
         """`forward` for new tokens x [B,T,in] from a position held as a 0-d tensor (absorbed path).
 
         The rows go to position.. (`KVCache.write_at`) and each token attends the rows up to its
@@ -206,4 +167,4 @@ class MLAttention(nn.Module):
         T = x.shape[1]
         q_nope, q_pe, new_rows = self.project(x, position + torch.arange(T, device=x.device)[None])
         cache.write_at(layer, position, new_rows)
-        return self.o_proj(self.attend_absorbed(q_nope, q_pe, cache.layer(layer), position + T, backend, bound))
+        return self.o_proj(self.attend_absorbed(q_nope, q_pe, cache.layer(layer), position + T, bound))

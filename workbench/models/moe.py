@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.config import VerifierConfig
-from workbench.kernels import cpu
 
 
 class MLP(nn.Module):
@@ -25,15 +24,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu.serves(x) and x.dtype == self.down_proj.weight.dtype:
-            return self.kernel_block()(x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def kernel_block(self) -> cpu.FfnBlock:
-        """This MLP as one `cpu.FfnBlock` call (gate|up as one projection), kept until a weight changes."""
-        return cpu.derived(self, "block", lambda: (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight),
-                           lambda: cpu.FfnBlock(torch.cat([self.gate_proj.weight, self.up_proj.weight]),
-                                                self.down_proj.weight, 1))
 
 
 class Router(nn.Module):
@@ -75,105 +66,21 @@ class MoE(nn.Module):
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
-        # Few experts, each token using at least a quarter of them (the embedded pair: top-2 of 8):
-        # eager inference runs every expert on every token, unchosen ones weighted by exact zeros. At
-        # most 4x the arithmetic, in two GEMMs instead of gathers or a loop of small ops (eager, the
-        # embedded pair's routed experts, medians over its 7 MoE layers: 449 vs 438 us gathered for
-        # 1 token, 478 vs 738 for 4, 819 vs 3314 for a 29-token prompt, where a loop takes 1741).
-        # Compiled graphs still gather (in place, fused): there dense sped speculation up and slowed
-        # the 1-token decodes of the baseline about as much (both compiled in one process, 16
-        # prompts: speculative 511 vs 485 tok/s, autoregressive 382 vs 411). Many experts (Kimi-K2:
-        # top-8 of 384) would pay up to 48x: those always gather or loop.
-        self.dense_inference = cfg.n_routed_experts <= 4 * cfg.num_experts_per_tok
-        self._stacked: dict[bool, tuple] = {}  # inference-time stacked expert weights per layout, see stacked()
-
-    def stacked(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts' weights in one of `_stack`'s layouts, rebuilt whenever one changed in place."""
-        params = [e.weight for m in self.experts for e in (m.gate_proj, m.up_proj, m.down_proj)]
-        versions = tuple((p._version, p.data_ptr(), p.dtype) for p in params)
-        if dense not in self._stacked or self._stacked[dense][0] != versions:
-            gate_up, down = self._stack(dense)
-            self._stacked[dense] = (versions, gate_up.detach(), down.detach())
-        return self._stacked[dense][1], self._stacked[dense][2]
-
-    def _stack(self, dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gathered: [E, 2I, H] gate|up and [E, H, I] down. Dense: [E*2I, H] and [H, E*I], one GEMM each."""
-        gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
-        if dense:
-            return gate_up.flatten(0, 1), torch.cat([e.down_proj.weight for e in self.experts], dim=1)
-        return gate_up, torch.stack([e.down_proj.weight for e in self.experts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        if self.dense_inference and cpu.serves(x) and x.dtype == self.experts[0].down_proj.weight.dtype:
-            return self.kernel_block()(x).view(shape)
         weights, ids = self.gate(x)
-        if torch.is_grad_enabled():
-            out = self._loop_experts(x, weights, ids)
-        elif self.dense_inference and not torch.compiler.is_compiling():
-            out = self._dense_experts(x, weights, ids)
-        elif x.shape[0] > 32:
-            out = self._loop_experts(x, weights, ids)
-        else:
-            out = self._gathered_experts(x, weights, ids)
+        out = self.routed_experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)
 
-    def kernel_block(self) -> cpu.FfnBlock:
-        """The dense experts as one `workbench.kernels.cpu` call: routing, every routed expert and
-        the shared ones (as groups of moe_intermediate_size, weighted 1) in one gate|up and one down
-        projection, the routing weights applied between them (a zero weight gives exact zeros).
-        Kept until a weight or a routing setting changes."""
-        g = self.gate
-        settings = (g.top_k, g.n_group, g.topk_group, g.norm_topk_prob, g.scaling, g.sigmoid)
-        return cpu.derived(self, "dense", self._kernel_sources, self._build_kernel_block, settings)
-
-    def _kernel_sources(self) -> list[torch.Tensor]:
-        mlps = [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]
-        return [self.gate.weight, self.gate.e_score_correction_bias,
-                *(m.weight for e in mlps for m in (e.gate_proj, e.up_proj, e.down_proj))]
-
-    def _build_kernel_block(self) -> cpu.FfnBlock:
-        """[gate_g | up_g] per group and the down projections side by side; the shared experts'
-        MLP splits into groups of the routed experts' width (each weighted 1)."""
-        I = self.experts[0].down_proj.weight.shape[1]
-        gate_up, down = [], []
-        for e in [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]:
-            for g in range(e.down_proj.weight.shape[1] // I):
-                rows = slice(g * I, (g + 1) * I)
-                gate_up += [e.gate_proj.weight[rows], e.up_proj.weight[rows]]
-                down.append(e.down_proj.weight[:, rows])
-        return cpu.FfnBlock(torch.cat(gate_up), torch.cat(down, dim=1), len(down), router=self.gate)
-
-    def _loop_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One matmul per expert that has tokens (training; a many-expert model's prefill)."""
+    def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One matmul per expert that has tokens, each token's outputs weighted by its routing weight."""
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = (ids == e).nonzero(as_tuple=True)
             y = self.experts[e](x[token]) * weights[token, slot, None].to(x.dtype)
             out.index_add_(0, token, y)
         return out
-
-    def _dense_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token (`dense_inference`, eager); the routing weight scales each
-        expert's activations before the down projection, so one GEMM sums the chosen experts."""
-        gate_up, down = self.stacked(dense=True)
-        n, E = x.shape[0], len(self.experts)
-        h = F.linear(x, gate_up).view(n, E, 2, -1)
-        act = F.silu(h[:, :, 0]) * h[:, :, 1]  # [n, E, I]
-        dense_w = torch.zeros(n, E, dtype=weights.dtype, device=x.device).scatter(1, ids, weights)[:, :, None]
-        # Unchosen experts become exact zeros (a where, not a multiply: 0 * inf would be NaN).
-        act = torch.where(dense_w > 0, act.float() * dense_w, 0.0).to(x.dtype)
-        return F.linear(act.reshape(n, -1), down)
-
-    def _gathered_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Few tokens (decode, verify; every compiled graph): the chosen experts' weights, a handful of batched ops."""
-        # Traced by torch.compile: stack from the parameters (freezing folds it into constants).
-        gate_up, down = self._stack(dense=False) if torch.compiler.is_compiling() else self.stacked(dense=False)
-        n, k = ids.shape
-        h = torch.bmm(gate_up[ids.flatten()], x.repeat_interleave(k, 0)[:, :, None])  # [n*k, 2I, 1]
-        g, u = h.squeeze(-1).chunk(2, dim=-1)
-        y = torch.bmm(down[ids.flatten()], (F.silu(g) * u)[:, :, None]).squeeze(-1)  # [n*k, H]
-        return (y.view(n, k, -1) * weights[:, :, None].to(x.dtype)).sum(1)

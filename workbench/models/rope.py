@@ -4,7 +4,7 @@ Kimi and DeepSeek checkpoints rotate *interleaved* pairs (0,1),(2,3),...; Llama-
 (neox) checkpoints rotate the halves. The interleaved form here writes its output in
 half-split order, as transformers does: q and k are permuted alike, so every dot product
 is unchanged and the extra re-interleave copy is saved. Getting the pairing wrong does not
-crash anything, it only ruins the model, which is why `interleave` stays a visible switch.
+crash anything, it only ruins the model, which is why the doctor probes the other pairing.
 """
 from __future__ import annotations
 
@@ -51,32 +51,6 @@ class RotaryEmbedding(torch.nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq
         return (freqs.cos() * self.magnitude).to(dtype), (freqs.sin() * self.magnitude).to(dtype)
-
-    def halves(self, positions: torch.Tensor, dtype: torch.dtype, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[cos | cos] and [sin | sin] [..., dim] at `positions` (all < `limit`) for `as_rows`' two
-        projections: the rotation is then `a * cos2 + b * sin2`, the same products and sums as
-        `forward`. Read from `tables`."""
-        cos2, sin2 = self.tables(dtype, limit)
-        return cos2[positions], sin2[positions]
-
-    def tables(self, dtype: torch.dtype, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`halves` for every position below `limit` (at least): computed by `cos_sin`'s own
-        elementwise formula, so the same values, once per dtype and size."""
-        table = self.__dict__.setdefault("_halves", {}).get(dtype)
-        if table is None or table[0].shape[0] < limit:
-            cos, sin = self.cos_sin(torch.arange(max(limit, 64), device=self.inv_freq.device), dtype)
-            table = self._halves[dtype] = (torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
-        return table
-
-    def as_rows(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A projection's rope rows w [dim, in] as two: (a, b) with a x = [x1 | x2] and b x = [-x2 | x1]
-        (the pairs `forward` rotates), so that forward(w x) = (a x) * cos2 + (b x) * sin2 exactly."""
-        if self.interleave:
-            x1, x2 = w[0::2], w[1::2]
-        else:
-            half = w.shape[0] // 2
-            x1, x2 = w[:half], w[half:]
-        return torch.cat([x1, x2]), torch.cat([-x2, x1])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [B, T, (heads,) dim]; cos/sin [B or 1, T, dim/2] broadcast over heads."""

@@ -15,7 +15,6 @@ from torch import nn
 
 from workbench.cache import KVCache
 from workbench.config import VerifierConfig
-from workbench.kernels import cpu
 from workbench.models.mla import MLAttention
 from workbench.models.moe import MLP, MoE
 from workbench.models.norm import RMSNorm
@@ -37,8 +36,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.idx = idx
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache | None, **attn) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, cache, self.idx, **attn)
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache | None, path: str = "auto") -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, cache, self.idx, path)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -87,7 +86,7 @@ class Verifier(nn.Module):
                        self.dtype, self.device, name="verifier cache")
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
-                logits_to_keep: int = 0, path: str = "auto", attention: str = "torch") -> VerifierOutput:
+                logits_to_keep: int = 0, path: str = "auto") -> VerifierOutput:
         """input_ids [B, T] continuing `cache` (or from position 0 without one).
 
         With a cache the new tokens' rows are appended and the length advanced by T.
@@ -103,10 +102,10 @@ class Verifier(nn.Module):
         aux = []
         for layer in self.model.layers:
             aux += [h] * self._aux.count(layer.idx)
-            h = layer(h, positions, cache, path=path, backend=attention)
+            h = layer(h, positions, cache, path)
         if cache is not None:
             cache.advance(T)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         h = self.model.norm(h)
-        return VerifierOutput(cpu.project(self.lm_head, h), tuple(aux), h)
+        return VerifierOutput(self.lm_head(h), tuple(aux), h)

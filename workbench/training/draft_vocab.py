@@ -5,7 +5,7 @@ step's largest matmul; EAGLE-3 drafts for Llama-3 keep 32k of 128k tokens for th
 draft trained against the verifier's frozen head gives, on the rows it keeps, exactly the
 logits it had, so its greedy proposal only changes where the full argmax was a dropped token.
 (The embedded draft keeps 2048 of 8192 tokens: the same accept length to four digits and, once
-compiled, a quarter less draft time per step; see assets/tiny-kimi/TRAINING.md.)
+compiled, a quarter less draft time per step; see docs/TRAINING.md.)
 
 Conventions (SpecForge writes them, vLLM and SGLang read them): draft ids are the kept target
 ids in increasing order; `d2t[i] = target_id - i` (int64), so target id = i + d2t[i]; the

@@ -29,7 +29,7 @@ GPT4_PATTERN = (
 # dunders (`__init__`, `max_bytes`) are one piece; and a line break keeps the next line's
 # indentation with it, so "\n        return" is two pieces ("\n        ", "return"), not three.
 # Chosen for the embedded pair because it encodes the stdlib eval split in the fewest tokens
-# of the splits tried, outside the two generated codec tables (numbers in TRAINING.md).
+# of the splits tried, outside the two generated codec tables (numbers in docs/TRAINING.md).
 CODE_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}_]?[\p{L}_]+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+|\s*[\r\n][ \t]*|\s+(?!\S)|\s+"

@@ -1,0 +1,78 @@
+"""Which fast path runs a pair's models, chosen in one place, with the reason.
+
+A pair's models are plain PyTorch (`workbench.models`, the reference). A fast path is a transform
+that returns weight-sharing copies of them:
+
+- "cpu":     `workbench.kernels.cpu_modules.accelerate`, the CPU kernels (eager, one call a block);
+- "compile": `workbench.compiled.compile_models`, torch.compile'd per-token graphs;
+- "off":     the plain models themselves, with the absorbed attention on `attention` ("torch", or
+             "triton": `workbench.kernels.with_attention`).
+
+"auto" is "cpu" where the kernels run (a CPU with AVX2 or AVX-512 and a C++ compiler, fp32 or
+bf16), else "off"; compiling is never chosen for you (its first start takes minutes). The
+Triton attention replaces the CPU kernels' and the compiled graphs' own attention, so asking for
+it means the plain path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FAST = ("auto", "cpu", "compile", "off")
+
+
+@dataclass(frozen=True)
+class FastPath:
+    name: str  # "cpu" | "compile" | "off"
+    attention: str  # the absorbed attention's backend where the plain modules run: "torch" | "triton"
+    why: str
+
+    def describe(self) -> str:
+        what = {"cpu": "CPU kernels", "compile": "torch.compile", "off": "plain PyTorch"}[self.name]
+        return f"{what}, attention {self.attention}: {self.why}"
+
+
+def choose(fast: str, device: torch.device | str, dtype: torch.dtype, attention: str = "auto") -> FastPath:
+    """The path for models on `device` in `dtype`; an impossible request is an error saying why."""
+    from workbench.kernels import cpu, resolve_backend
+
+    if fast not in FAST:
+        raise ValueError(f"fast = {fast!r}; expected one of {', '.join(FAST)}")
+    device = torch.device(device)
+    attention = resolve_backend(attention, device)
+    if attention == "triton":
+        if fast in ("cpu", "compile"):
+            raise ValueError(f"fast = {fast!r} runs its own attention; attention 'triton' needs fast 'off' or 'auto'")
+        return FastPath("off", "triton", "the Triton MLA kernel serves the absorbed attention")
+    if fast == "off":
+        return FastPath("off", "torch", "asked for (fast='off')")
+    if fast == "compile":
+        return FastPath("compile", "torch", "asked for (fast='compile')")
+    usable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    if fast == "cpu":
+        if not usable or not cpu.available():
+            why = cpu.status() if usable else f"they take fp32 or bf16 on the CPU, not {dtype} on {device}"
+            raise RuntimeError(f"fast = 'cpu': the CPU kernels cannot run these models: {why}")
+        return FastPath("cpu", "torch", f"asked for; {cpu.status()}")
+    if usable and cpu.available():
+        return FastPath("cpu", "torch", f"auto: {cpu.status()}")
+    why = cpu.status() if usable else f"the CPU kernels take fp32 or bf16 on the CPU, not {dtype} on {device}"
+    return FastPath("off", "torch", f"auto: {why}")
+
+
+def apply(path: FastPath, *models: torch.nn.Module, memo: dict | None = None) -> tuple[torch.nn.Module, ...]:
+    """`models` (a verifier, then its draft) as `path` runs them: copies, or the models themselves."""
+    if path.name == "cpu":
+        from workbench.kernels.cpu_modules import accelerate
+
+        return accelerate(*models, memo=memo)
+    if path.name == "compile":
+        from workbench.compiled import compile_models
+
+        return compile_models(*models, memo=memo)
+    if path.attention == "triton":
+        from workbench.kernels import with_attention
+
+        return with_attention("triton", *models, memo=memo)
+    return models
