@@ -72,6 +72,7 @@ class Settings:
     max_new_tokens: int = 64
     seed: int = 0
     use_draft: bool = True  # False: autoregressive decoding with the verifier alone
+    heal: bool = True  # token healing: a prompt that ends in "\n" or a space continues as typed
 
     @property
     def greedy(self) -> bool:
@@ -239,13 +240,15 @@ class Conversation:
 
 
 def _autoregressive(pair: wb.ModelPair, prompt: str, s: Settings) -> wb.GenerationResult:
-    return wb.generate_autoregressive(pair, prompt, s.max_new_tokens, s.temperature, s.top_p, seed=s.seed)
+    return wb.generate_autoregressive(pair, prompt, s.max_new_tokens, s.temperature, s.top_p, seed=s.seed,
+                                      heal=s.heal)
 
 
 def step_events(pair: wb.ModelPair, prompt: str, s: Settings) -> Iterator[wb.StepEvent]:
     """The steps of one answer: streamed from the speculative decoder, or the autoregressive run's."""
     if s.use_draft:
-        yield from wb.SpecDecoder(pair, s.k, s.temperature, s.top_p, seed=s.seed).stream(prompt, s.max_new_tokens)
+        yield from wb.SpecDecoder(pair, s.k, s.temperature, s.top_p, seed=s.seed).stream(prompt, s.max_new_tokens,
+                                                                                         heal=s.heal)
     else:
         yield from _autoregressive(pair, prompt, s).events
 

@@ -70,11 +70,12 @@ def cmd_generate(args) -> int:
     pair = _load(args)
     if args.no_draft:
         res = wb.generate_autoregressive(pair, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
-                                         args.top_k, args.seed, stop=args.stop, attention=args.attention)
+                                         args.top_k, args.seed, stop=args.stop, attention=args.attention,
+                                         heal=args.heal)
     else:
         dec = wb.SpecDecoder(pair, args.k, args.temperature, args.top_p, args.top_k, args.seed,
                              proposer=args.proposer, attention=args.attention, fused=_FUSED[args.fused])
-        res = dec.generate(args.prompt, args.max_new_tokens, stop=args.stop)
+        res = dec.generate(args.prompt, args.max_new_tokens, stop=args.stop, heal=args.heal)
     if args.json:
         print(json.dumps(res.to_dict()))
     else:
@@ -247,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--heal", action="store_true",
+                   help="token healing: back off the prompt's last token and let the first one extend it "
+                        "(for prompts that end in a newline, indentation or a space)")
     p.add_argument("--proposer", default="eagle", choices=["eagle", "ngram"])
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     _fused_arg(p)

@@ -15,6 +15,7 @@ import torch
 
 from workbench.decoding.events import GenerationResult, StepEvent
 from workbench.decoding.fused import FusedGreedyStep
+from workbench.decoding.healing import Healing, first_piece, heal
 from workbench.decoding.proposers import EagleProposer, NgramProposer, Proposer
 from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingError, SamplingParams, acceptor_for,
                                          check_finite, next_token, shown_prob)
@@ -29,10 +30,15 @@ class RequestError(ValueError):
 
 @dataclass
 class _Request:
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # what the verifier reads (without a healed last token)
     max_new_tokens: int
     stop: tuple[str, ...]
     max_len: int
+    healing: Healing | None = None
+
+    def first_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The prefill's logits for the first token: only tokens that extend a healed prefix."""
+        return self.healing.constrain(logits) if self.healing else logits
 
 
 class _Emitter:
@@ -52,7 +58,12 @@ class _Emitter:
         """Take one token; return its text. Sets `finish` when generation must end after it."""
         context = self.tokens[-8:] if self.tokens else self.req.prompt_ids[-4:]
         # End-of-sequence is a control token, not text (vLLM skips special tokens the same way).
-        piece = "" if token in self.eos else self.tok.token_texts([token], prefix=context)[0]
+        if token in self.eos:
+            piece = ""
+        elif not self.tokens and self.req.healing:  # the healed prefix is the user's text already
+            piece = first_piece(self.tok, self.req.healing, token)
+        else:
+            piece = self.tok.token_texts([token], prefix=context)[0]
         self.tokens.append(token)
         self.text += piece
         window = self.text[-(len(piece) + max((len(s) for s in self.req.stop), default=0)):]
@@ -74,7 +85,7 @@ class _Emitter:
         return self.text
 
 
-def _validate_common(pair, prompt, max_new_tokens: int, stop, max_len: int | None) -> _Request:
+def _validate_common(pair, prompt, max_new_tokens: int, stop, max_len: int | None, healing: bool = False) -> _Request:
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt is empty; expected at least one token of text")
@@ -90,7 +101,9 @@ def _validate_common(pair, prompt, max_new_tokens: int, stop, max_len: int | Non
         raise RequestError(f"prompt has {len(ids)} tokens; the context is {context} tokens, so at most "
                            f"{context - 1} prompt tokens leave room to generate")
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    return _Request(ids, max_new_tokens, tuple(s for s in stop if s), context)
+    special = set(pair.eos_token_ids) | {i for i in (pair.tokenizer.bos_token_id, pair.tokenizer.pad_token_id) if i is not None}
+    h = heal(pair.tokenizer, ids, special) if healing else None
+    return _Request(h.prompt_ids if h else ids, max_new_tokens, tuple(s for s in stop if s), context, h)
 
 
 class SpecDecoder:
@@ -143,9 +156,9 @@ class SpecDecoder:
         return FusedGreedyStep(self.pair.verifier, self.pair.draft, self.k, self.pair.compiled)
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
-                 max_len: int | None = None) -> GenerationResult:
+                 max_len: int | None = None, heal: bool = False) -> GenerationResult:
         t0 = time.perf_counter()
-        events = list(self.stream(prompt, max_new_tokens, stop, max_len))
+        events = list(self.stream(prompt, max_new_tokens, stop, max_len, heal))
         return _result(events, self._emitter, time.perf_counter() - t0, self.k)
 
     def cache_rows(self, prompt_len: int, max_new_tokens: int, context: int) -> int:
@@ -155,14 +168,17 @@ class SpecDecoder:
 
     @torch.inference_mode()  # the caller's grad mode is its own: each resumption runs without autograd
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
-               max_len: int | None = None) -> Iterator[StepEvent]:
+               max_len: int | None = None, heal: bool = False) -> Iterator[StepEvent]:
         """Yield one StepEvent per verifier forward: the prefill token first, then each spec step.
+
+        `heal` backs off a prompt's last token and lets the first token be any that extends it
+        (`workbench.decoding.healing`): for prompts that end in whitespace or mid-token.
 
         Runs in inference mode whatever the caller's grad mode (as generate_autoregressive does):
         under autograd the verifier would record a graph, and speculation would be measured
         against a baseline that pays none.
         """
-        req = _validate_common(self.pair, prompt, max_new_tokens, stop, max_len)
+        req = _validate_common(self.pair, prompt, max_new_tokens, stop, max_len, heal)
         self.generator.manual_seed(self.seed)
         pair, k = self.pair, self.k
         cache = pair.verifier_cache(self.cache_rows(len(req.prompt_ids), max_new_tokens, req.max_len))
@@ -170,7 +186,7 @@ class SpecDecoder:
 
         t = time.perf_counter()
         out = pair.verifier(torch.tensor([req.prompt_ids], device=pair.device), cache, logits_to_keep=1)
-        logits = out.logits[0, -1]
+        logits = req.first_logits(out.logits[0, -1])
         check_finite(logits, "verifier logits at the prompt's last position")
         first = next_token(logits, self.params, self.generator)
         piece = em.add(first)
@@ -216,10 +232,11 @@ def _result(events: list[StepEvent], em: _Emitter, elapsed: float, k: int) -> Ge
 @torch.inference_mode()
 def generate_autoregressive(pair, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                             top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: str | list[str] | None = None,
-                            attention: str = "auto", max_len: int | None = None) -> GenerationResult:
-    """Plain decoding with the same verifier, cache and sampling: one token per forward."""
+                            attention: str = "auto", max_len: int | None = None, heal: bool = False) -> GenerationResult:
+    """Plain decoding with the same verifier, cache and sampling: one token per forward (`heal` as
+    in `SpecDecoder.stream`)."""
     params = SamplingParams(temperature, top_p, top_k)
-    req = _validate_common(pair, prompt, max_new_tokens, stop, max_len)
+    req = _validate_common(pair, prompt, max_new_tokens, stop, max_len, heal)
     pair = pair.with_attention(attention)
     gen = torch.Generator().manual_seed(seed)
     cache = pair.verifier_cache(min(req.max_len, len(req.prompt_ids) + max_new_tokens + 1))
@@ -230,6 +247,8 @@ def generate_autoregressive(pair, prompt: str | list[int], max_new_tokens: int =
     while em.finish is None:
         t = time.perf_counter()
         logits = pair.verifier(x, cache, logits_to_keep=1).logits[0, -1]
+        if not events:
+            logits = req.first_logits(logits)
         check_finite(logits, f"verifier logits at position {cache.length - 1}")
         tok = next_token(logits, params, gen)
         piece = em.add(tok)
