@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -105,38 +106,6 @@ def test_kimi_k25_text_config_nesting():
     assert "vision_config" not in c.extra
 
 
-def test_deepseek_v2_direct_q_proj():
-    c = VerifierConfig.from_hf(copy.deepcopy(DEEPSEEK_V2_LITE))
-    assert c.q_lora_rank is None and c.num_attention_heads == 16
-    # DeepSeek-V2 defaults when the fields are absent: softmax routing, greedy top-k, no renormalising
-    assert (c.scoring_func, c.topk_method, c.norm_topk_prob) == ("softmax", "greedy", False)
-    assert c.rope_scaling["mscale"] == c.rope_scaling["mscale_all_dim"] == 0.707
-
-
-def test_rope_scaling_and_rope_parameters_spellings_agree():
-    classic = copy.deepcopy(KIMI_K2)
-    modern = copy.deepcopy(KIMI_K2)
-    scaling, theta = modern.pop("rope_scaling"), modern.pop("rope_theta")
-    modern["rope_parameters"] = {"rope_type": "yarn", "rope_theta": theta,
-                                 **{k: v for k, v in scaling.items() if k != "type"}}
-    a, b = VerifierConfig.from_hf(classic), VerifierConfig.from_hf(modern)
-    assert a == b
-    assert b.rope_theta == 50000.0 and b.rope_scaling["factor"] == 32.0
-
-
-def test_unknown_model_type():
-    bad = dict(copy.deepcopy(KIMI_K2), model_type="llama")
-    with pytest.raises(ConfigError, match=r"cfg\.json: field 'model_type' = 'llama'; expected one of .*deepseek_v3"):
-        VerifierConfig.from_hf(bad, "cfg.json")
-
-
-def test_missing_field_named():
-    bad = copy.deepcopy(KIMI_K2)
-    del bad["kv_lora_rank"]
-    with pytest.raises(ConfigError, match=r"field 'kv_lora_rank' is missing; expected int"):
-        VerifierConfig.from_hf(bad)
-
-
 # --------------------------------------------------------------------------- §4 numbers
 
 @pytest.mark.parametrize("cfg, m, scale", [
@@ -199,6 +168,25 @@ def test_draft_aux_ids_top_level_or_eagle_config():
     assert DraftConfig.from_hf(neither, num_target_layers=61).aux_layer_ids == (2, 30, 58)  # vLLM default
     with pytest.raises(ConfigError, match=r"eagle_aux_hidden_state_layer_ids' is missing"):
         DraftConfig.from_hf(neither)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"topk_method": "group_limited"}, "'topk_method' = 'group_limited'; expected one of greedy, group_limited_greedy"),
+    ({"topk_group": 9}, "field 'topk_group' = 9; expected 1..n_group=8"),
+    ({"num_experts_per_tok": 200}, "field 'num_experts_per_tok' = 200; expected 1..128"),
+])
+def test_routing_fields_checked(change, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        VerifierConfig.from_hf(dict(copy.deepcopy(DEEPSEEK_V3), **change), "cfg.json")
+
+
+def test_routing_defaults_and_correction_bias():
+    v2 = VerifierConfig.from_hf(copy.deepcopy(DEEPSEEK_V2_LITE))
+    assert not v2.has_correction_bias and VerifierConfig.from_hf(copy.deepcopy(KIMI_K2)).has_correction_bias
+    full_v2 = dict(DEEPSEEK_V2_LITE, topk_method="group_limited_greedy", n_group=8, topk_group=3,
+                   routed_scaling_factor=16.0, n_routed_experts=160)
+    c = VerifierConfig.from_hf(full_v2)
+    assert (c.topk_method, c.n_group, c.topk_group, c.routed_scaling_factor) == ("group_limited_greedy", 8, 3, 16.0)
 
 
 def test_draft_defaults_and_v3_alias():

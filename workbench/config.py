@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 VERIFIER_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2", "kimi_k25")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")  # DeepSeek-V2's two, DeepSeek-V3's one
 DRAFT_ARCHITECTURES = {
     "Eagle3DeepseekV2ForCausalLM": "mla",
     "Eagle3DeepseekV3ForCausalLM": "mla",
@@ -149,6 +150,11 @@ class VerifierConfig(MLADims):
     tie_word_embeddings: bool = False
     extra: dict = field(default_factory=dict)  # unknown fields, written back untouched
 
+    @property
+    def has_correction_bias(self) -> bool:
+        """Only noaux_tc routing has an `e_score_correction_bias` (DeepSeek-V3, Kimi-K2); V2 has none."""
+        return self.n_routed_experts is not None and self.topk_method == "noaux_tc"
+
     def is_moe_layer(self, i: int) -> bool:
         return (
             self.n_routed_experts is not None
@@ -231,8 +237,19 @@ class VerifierConfig(MLADims):
                 raise ConfigError(f"{source}: field 'n_group' = {self.n_group}; expected a divisor of n_routed_experts={self.n_routed_experts}")
             if self.scoring_func not in ("sigmoid", "softmax"):
                 raise ConfigError(f"{source}: field 'scoring_func' = {self.scoring_func!r}; expected 'sigmoid' or 'softmax'")
+            if self.topk_method not in TOPK_METHODS:
+                raise ConfigError(f"{source}: field 'topk_method' = {self.topk_method!r}; expected one of "
+                                  f"{', '.join(TOPK_METHODS)}")
             if self.moe_intermediate_size <= 0:
                 raise ConfigError(f"{source}: field 'moe_intermediate_size' is missing; expected a positive integer for an MoE model")
+            per_group = self.n_routed_experts // self.n_group
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ConfigError(f"{source}: field 'topk_group' = {self.topk_group}; "
+                                  f"expected 1..n_group={self.n_group}")
+            kept = self.n_routed_experts if self.topk_method == "greedy" else self.topk_group * per_group
+            if not 1 <= self.num_experts_per_tok <= kept:
+                raise ConfigError(f"{source}: field 'num_experts_per_tok' = {self.num_experts_per_tok}; "
+                                  f"expected 1..{kept} (the experts {self.topk_method} routing can choose from)")
 
     def to_hf(self) -> dict:
         d = {
