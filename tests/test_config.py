@@ -170,6 +170,31 @@ def test_draft_aux_ids_top_level_or_eagle_config():
         DraftConfig.from_hf(neither)
 
 
+def test_draft_aux_ids_read_as_vllm_reads_them():
+    """vLLM captures a top-level eagle_aux_hidden_state_layer_ids, else (2, L//2, L - 3): never eagle_config's.
+    A TorchSpec draft's nested [1, 29, 57] ("output of layer i") thus fuses (2, 30, 58) of a 61-layer verifier."""
+    torchspec = copy.deepcopy(K25_DRAFT)
+    torchspec["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 29, 57]
+    c = DraftConfig.from_hf(torchspec, num_target_layers=61)
+    assert (c.aux_layer_ids, c.aux_ids_source, c.nested_aux_layer_ids) == ((2, 30, 58), "default", (1, 29, 57))
+    top = dict(torchspec, eagle_aux_hidden_state_layer_ids=[3, 31, 59])
+    c = DraftConfig.from_hf(top, num_target_layers=61)
+    assert (c.aux_layer_ids, c.aux_ids_source, c.nested_aux_layer_ids) == ((3, 31, 59), "top-level", (1, 29, 57))
+    empty = dict(torchspec, eagle_aux_hidden_state_layer_ids=[])  # vLLM's `if layer_ids` skips an empty list
+    assert DraftConfig.from_hf(empty, num_target_layers=8).aux_layer_ids == (2, 4, 5)
+    same = DraftConfig.from_hf(copy.deepcopy(K25_DRAFT), num_target_layers=61)  # nested [2, 30, 58] = the default
+    assert (same.aux_ids_source, same.nested_aux_layer_ids) == ("default", None)
+    alone = DraftConfig.from_hf(torchspec)  # no verifier to take a default from: the nested ids, marked so
+    assert (alone.aux_layer_ids, alone.aux_ids_source) == ((1, 29, 57), "eagle_config")
+    out = c.to_hf()  # both places, so vLLM and the trainers' readers agree
+    nested = out["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert out["eagle_aux_hidden_state_layer_ids"] == nested == [3, 31, 59]
+    with pytest.raises(ConfigError, match=r"field 'eagle_aux_hidden_state_layer_ids' = 30; expected a list"):
+        DraftConfig.from_hf(dict(torchspec, eagle_aux_hidden_state_layer_ids=30), num_target_layers=61)
+    with pytest.raises(ConfigError, match=r"= \[1, 2\] \(top-level\); expected 3 integer layer ids"):
+        DraftConfig.from_hf(dict(torchspec, eagle_aux_hidden_state_layer_ids=[1, 2]), num_target_layers=61)
+
+
 @pytest.mark.parametrize("change, fragment", [
     ({"topk_method": "group_limited"}, "'topk_method' = 'group_limited'; expected one of greedy, group_limited_greedy"),
     ({"topk_group": 9}, "field 'topk_group' = 9; expected 1..n_group=8"),

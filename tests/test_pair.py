@@ -180,6 +180,47 @@ def test_fp8_block_quantised_verifier(tmp_path):
     assert torch.isfinite(v(torch.tensor([[1, 2, 3]])).logits).all()
 
 
+def test_nested_output_of_layer_ids_capture_what_vllm_captures(tmp_path):
+    """A TorchSpec-style draft nests [1, L//2 - 1, L - 4] ("output of layer i") and no top-level ids: we
+    capture vLLM's (2, L//2, L - 3), i.e. transformers' output_hidden_states[2, L//2, L - 3], which are
+    exactly the outputs of the nested layers (hidden_states[i + 1]), not the nested ids read as inputs."""
+    transformers = pytest.importorskip("transformers")
+    from workbench.training.draft_init import draft_config_for, init_draft
+
+    L = 8
+    hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=L,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, max_position_embeddings=256, tie_word_embeddings=False)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(4)
+    hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, prm in hf.named_parameters():
+            prm.copy_(torch.rand(prm.shape) + 0.5 if "norm" in name else torch.randn(prm.shape) * 0.1)
+    hf.save_pretrained(tmp_path / "verifier")
+    verifier = wb.load_verifier(tmp_path / "verifier")
+    nested = [1, L // 2 - 1, L - 4]
+    wb.save_model(init_draft(draft_config_for(verifier.config, intermediate_size=64, aux_layer_ids=(1, 2, 3))),
+                  tmp_path / "draft")
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    del cfg["eagle_aux_hidden_state_layer_ids"]
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = nested
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(cfg))
+    draft = wb.load_draft(tmp_path / "draft", verifier)
+    assert (draft.config.aux_layer_ids, draft.config.aux_ids_source) == ((2, 4, 5), "default")
+    assert draft.config.nested_aux_layer_ids == (1, 3, 4) and verifier.aux_layer_ids == (2, 4, 5)
+    assert "eagle_config names aux ids [1, 3, 4]; capturing [2, 4, 5] (default)" in draft.load_notes[0]
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf(ids, output_hidden_states=True).hidden_states
+        got = verifier(ids).aux_hidden_states
+    for j, i in enumerate(nested):
+        assert (got[j] - want[i + 1]).abs().max() <= 1e-4  # the output of layer i = the input of layer i + 1
+        assert (got[j] - want[i]).abs().max() > 1e-2  # what reading the nested ids as capture-before would fuse
+
+
 # --------------------------------------------------------------------------- bad input
 
 def test_truncated_safetensors(dirs, tmp_path):
@@ -221,7 +262,8 @@ def test_draft_vocab_mismatch(dirs, verifier, tmp_path):
 
 def test_aux_ids_out_of_range(dirs, verifier, tmp_path):
     bad = copy_dir(dirs[1], tmp_path / "d")
-    edit_config(bad, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9], "use_aux_hidden_state": True})
+    edit_config(bad, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9], "use_aux_hidden_state": True},
+                eagle_aux_hidden_state_layer_ids=[1, 2, 9])  # the top level: where vLLM (and load_draft) reads
     expect_error(lambda: wb.load_draft(bad, verifier), wb.PairingError,
                  f"{bad}/config.json", "eagle_aux_hidden_state_layer_ids = [1, 2, 9]", "[9] out of range",
                  "expected ids in [0, 3]")

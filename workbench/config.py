@@ -2,8 +2,8 @@
 
 Real checkpoints disagree on where fields live (Kimi-K2.5 nests the text model under
 `text_config`; transformers 5 writes `rope_parameters` where real checkpoints have
-`rope_theta` + `rope_scaling`; vLLM reads EAGLE aux ids from `eagle_config` or the top
-level). This module absorbs those differences once, so the models see one flat dataclass.
+`rope_theta` + `rope_scaling`; trainers nest EAGLE aux ids in `eagle_config`, where vLLM never
+reads them). This module absorbs those differences once, so the models see one flat dataclass.
 Every error names the file, the field and what was expected.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 VERIFIER_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2", "kimi_k25")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")  # DeepSeek-V2's two, DeepSeek-V3's one
+AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 DRAFT_ARCHITECTURES = {
     "Eagle3DeepseekV2ForCausalLM": "mla",
     "Eagle3DeepseekV3ForCausalLM": "mla",
@@ -82,6 +83,11 @@ def _rope_from_hf(d: dict, source: str) -> tuple[float, dict | None]:
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """DeepSeek's `yarn_get_mscale`: 0.1 * mscale * ln(factor) + 1, or 1 when not scaled."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def vllm_default_aux_ids(num_layers: int) -> tuple[int, int, int]:
+    """vLLM's (2, L // 2, L - 3); clamped into range so a model shallower than 4 layers still loads."""
+    return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
 
 
 def _rope_to_hf(theta: float, scaling: dict | None) -> dict:
@@ -165,8 +171,7 @@ class VerifierConfig(MLADims):
     @property
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
         """vLLM's (2, L // 2, L - 3); clamped into range so a model shallower than 4 layers still loads."""
-        n = self.num_hidden_layers
-        return tuple(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))
+        return vllm_default_aux_ids(self.num_hidden_layers)
 
     @classmethod
     def from_hf(cls, d: dict, source: str = "config.json") -> "VerifierConfig":
@@ -315,7 +320,7 @@ class DraftConfig(MLADims):
     intermediate_size: int = 0
     vocab_size: int = 0  # the verifier's vocabulary
     draft_vocab_size: int = 0  # lm_head rows; target id = i + d2t[i]
-    aux_layer_ids: tuple[int, ...] = ()
+    aux_layer_ids: tuple[int, ...] = ()  # the ids vLLM captures for this config (see `read_aux_ids`)
     use_aux_hidden_state: bool = True
     norm_before_residual: bool = False  # vLLM flag: residual = hidden_norm(h) instead of h
     norm_output: bool = False  # EAGLE-3.1: feed back the post-norm state
@@ -324,6 +329,10 @@ class DraftConfig(MLADims):
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     extra: dict = field(default_factory=dict)
+    # Provenance, not identity (left out of ==, so a saved config reads back equal):
+    aux_ids_source: str = field(default="", compare=False)  # "top-level" | "eagle_config" | "default"
+    nested_aux_layer_ids: tuple[int, ...] | None = field(default=None, compare=False)  # eagle_config's, if other
+    unstated: tuple[str, ...] = field(default=(), compare=False)  # fields config.json lacks, filled by default
 
     @classmethod
     def from_hf(cls, d: dict, source: str = "config.json", num_target_layers: int | None = None) -> "DraftConfig":
@@ -342,13 +351,9 @@ class DraftConfig(MLADims):
         theta, scaling = _rope_from_hf(d, source)
         hidden = _need(d, "hidden_size", source)
         eagle = d.get("eagle_config") or {}
-        aux = eagle.get("eagle_aux_hidden_state_layer_ids", d.get("eagle_aux_hidden_state_layer_ids"))
-        if aux is None:
-            if num_target_layers is None:
-                raise ConfigError(f"{source}: field 'eagle_config.eagle_aux_hidden_state_layer_ids' is missing and no verifier layer count was given")
-            aux = [2, num_target_layers // 2, num_target_layers - 3]  # vLLM's default
-        if not isinstance(aux, (list, tuple)) or len(aux) != 3 or not all(isinstance(a, int) for a in aux):
-            raise ConfigError(f"{source}: field 'eagle_aux_hidden_state_layer_ids' = {aux!r}; expected 3 integer layer ids")
+        if not isinstance(eagle, dict):
+            raise ConfigError(f"{source}: field 'eagle_config' = {eagle!r}; expected an object")
+        aux, aux_source, nested = read_aux_ids(d, source, num_target_layers)
         vocab = _need(d, "vocab_size", source)
         heads = _need(d, "num_attention_heads", source)
         common = dict(
@@ -365,7 +370,11 @@ class DraftConfig(MLADims):
             intermediate_size=_need(d, "intermediate_size", source),
             vocab_size=vocab,
             draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
-            aux_layer_ids=tuple(aux),
+            aux_layer_ids=aux,
+            aux_ids_source=aux_source,
+            nested_aux_layer_ids=nested if nested is not None and nested != aux else None,
+            unstated=tuple(k for k in ("max_position_embeddings", "rope_theta") if d.get(k) is None
+                           and not (k == "rope_theta" and isinstance(d.get("rope_parameters"), dict))),
             use_aux_hidden_state=bool(eagle.get("use_aux_hidden_state", True)),
             norm_before_residual=bool(d.get("norm_before_residual", False)),
             norm_output=bool(d.get("norm_output", False)),
@@ -391,7 +400,7 @@ class DraftConfig(MLADims):
                 **common,
             )
         # Fields to_hf writes itself (or drops on purpose) stay out of `extra`: from_hf(to_hf(c)) == c.
-        known = set(cls.__dataclass_fields__) | {"eagle_config", "eagle_aux_hidden_state_layer_ids",
+        known = set(cls.__dataclass_fields__) | {"eagle_config", AUX_IDS_KEY,
                                                  "num_hidden_layers", "tie_word_embeddings", "n_routed_experts",
                                                  "first_k_dense_replace", "moe_layer_freq"}
         cfg.extra = {k: v for k, v in d.items() if k not in known and k not in _HF_ONLY}
@@ -425,8 +434,10 @@ class DraftConfig(MLADims):
             "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
             "tie_word_embeddings": False,
+            # Both places: vLLM reads only the top level; SGLang, lmdeploy and trainers read eagle_config.
+            AUX_IDS_KEY: list(self.aux_layer_ids),
             "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                AUX_IDS_KEY: list(self.aux_layer_ids),
                 "use_aux_hidden_state": self.use_aux_hidden_state,
             },
             "norm_before_residual": self.norm_before_residual,
@@ -454,6 +465,43 @@ class DraftConfig(MLADims):
         else:
             d.update(num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim)
         return {**self.extra, **d}
+
+
+def _aux_list(value, source: str, where: str) -> tuple[int, ...] | None:
+    """Layer ids as written at `where`; None for absent, null or [] (vLLM's `if layer_ids` skips those)."""
+    if value is None or isinstance(value, (list, tuple)) and not value:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ConfigError(f"{source}: field '{where}' = {value!r}; expected a list of integer layer ids")
+    return tuple(value)
+
+
+def read_aux_ids(d: dict, source: str = "config.json",
+                 num_target_layers: int | None = None) -> tuple[tuple[int, ...], str, tuple[int, ...] | None]:
+    """(the ids vLLM captures, where they came from, eagle_config's ids as written).
+
+    vLLM (`get_eagle3_aux_layers_from_config`, v1 worker) reads only a top-level
+    `eagle_aux_hidden_state_layer_ids`; without one (or with an empty list) it takes the
+    verifier's default (2, L // 2, L - 3), whatever `eagle_config` holds. So SpecForge/TorchSpec
+    drafts that nest [1, 29, 57] ("output of layer i") get (2, 30, 58) for a 61-layer verifier:
+    the same hidden states, in vLLM's capture-before convention. Only when the verifier's layer
+    count is not known (a config read on its own) are the nested ids taken, marked "eagle_config".
+    """
+    eagle = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
+    top = _aux_list(d.get(AUX_IDS_KEY), source, AUX_IDS_KEY)
+    nested = _aux_list(eagle.get(AUX_IDS_KEY), source, f"eagle_config.{AUX_IDS_KEY}")
+    if top is not None:
+        ids, where = top, "top-level"
+    elif num_target_layers is not None:
+        ids, where = vllm_default_aux_ids(num_target_layers), "default"
+    elif nested is not None:
+        ids, where = nested, "eagle_config"
+    else:
+        raise ConfigError(f"{source}: field '{AUX_IDS_KEY}' is missing (top level and eagle_config) and no verifier "
+                          f"layer count was given; expected 3 layer ids or the verifier's num_hidden_layers")
+    if len(ids) != 3:
+        raise ConfigError(f"{source}: field '{AUX_IDS_KEY}' = {list(ids)} ({where}); expected 3 integer layer ids")
+    return ids, where, nested
 
 
 def read_config_json(directory: str | Path) -> tuple[dict, str]:

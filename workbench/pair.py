@@ -8,6 +8,7 @@ checkpoint is never initialised randomly first nor held twice.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from workbench.models import Eagle3Draft, Verifier
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED = ASSETS / "tiny-kimi"
+log = logging.getLogger(__name__)
 
 
 class PairingError(ValueError):
@@ -76,7 +78,9 @@ def load_draft(directory: str | Path, verifier: Verifier, device: str | torch.de
                dtype: str | torch.dtype | None = None) -> Eagle3Draft:
     """An EAGLE-3 draft (MLA or MHA) sharing the verifier's embedding/lm_head where it ships none.
 
-    Sets the verifier's aux layer ids to the draft's, so the verifier captures what the draft fuses.
+    Sets the verifier's aux layer ids to the draft's, so the verifier captures what the draft fuses:
+    the ids vLLM would capture for this config.json (`config.read_aux_ids`: a top-level
+    `eagle_aux_hidden_state_layer_ids`, else the verifier's default; never `eagle_config`'s).
     """
     device = torch.device(device) if device is not None else verifier.device
     dtype = _dtype(dtype, device) if dtype is not None else verifier.dtype
@@ -98,6 +102,12 @@ def load_draft(directory: str | Path, verifier: Verifier, device: str | torch.de
     draft.share(verifier.model.embed_tokens, verifier.lm_head)
     verifier.aux_layer_ids = cfg.aux_layer_ids
     draft.source = str(directory)
+    draft.load_notes = []
+    if cfg.nested_aux_layer_ids is not None:
+        draft.load_notes.append(f"{directory}: eagle_config names aux ids {list(cfg.nested_aux_layer_ids)}; "
+                                f"capturing {list(cfg.aux_layer_ids)} ({cfg.aux_ids_source}), as vLLM does")
+    for note in draft.load_notes:
+        log.info(note)
     return draft.eval()
 
 
