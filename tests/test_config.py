@@ -106,6 +106,48 @@ def test_kimi_k25_text_config_nesting():
     assert "vision_config" not in c.extra
 
 
+def test_quantization_config_kept_for_the_reader():
+    """Kept (the wrapper's when text_config has none), never written back: what we save is dequantised."""
+    c = VerifierConfig.from_hf(copy.deepcopy(DEEPSEEK_V3))
+    assert c.quantization["quant_method"] == "fp8" and "quantization_config" not in c.to_hf()
+    q = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    assert VerifierConfig.from_hf(dict(copy.deepcopy(KIMI_K25), quantization_config=q)).quantization == q
+    with pytest.raises(ConfigError, match=r"cfg\.json: field 'quantization_config' = 'fp8'; expected an object"):
+        VerifierConfig.from_hf(dict(copy.deepcopy(KIMI_K2), quantization_config="fp8"), "cfg.json")
+
+
+def test_deepseek_v2_direct_q_proj():
+    c = VerifierConfig.from_hf(copy.deepcopy(DEEPSEEK_V2_LITE))
+    assert c.q_lora_rank is None and c.num_attention_heads == 16
+    # DeepSeek-V2 defaults when the fields are absent: softmax routing, greedy top-k, no renormalising
+    assert (c.scoring_func, c.topk_method, c.norm_topk_prob) == ("softmax", "greedy", False)
+    assert c.rope_scaling["mscale"] == c.rope_scaling["mscale_all_dim"] == 0.707
+
+
+def test_rope_scaling_and_rope_parameters_spellings_agree():
+    classic = copy.deepcopy(KIMI_K2)
+    modern = copy.deepcopy(KIMI_K2)
+    scaling, theta = modern.pop("rope_scaling"), modern.pop("rope_theta")
+    modern["rope_parameters"] = {"rope_type": "yarn", "rope_theta": theta,
+                                 **{k: v for k, v in scaling.items() if k != "type"}}
+    a, b = VerifierConfig.from_hf(classic), VerifierConfig.from_hf(modern)
+    assert a == b
+    assert b.rope_theta == 50000.0 and b.rope_scaling["factor"] == 32.0
+
+
+def test_unknown_model_type():
+    bad = dict(copy.deepcopy(KIMI_K2), model_type="llama")
+    with pytest.raises(ConfigError, match=r"cfg\.json: field 'model_type' = 'llama'; expected one of .*deepseek_v3"):
+        VerifierConfig.from_hf(bad, "cfg.json")
+
+
+def test_missing_field_named():
+    bad = copy.deepcopy(KIMI_K2)
+    del bad["kv_lora_rank"]
+    with pytest.raises(ConfigError, match=r"field 'kv_lora_rank' is missing; expected int"):
+        VerifierConfig.from_hf(bad)
+
+
 # --------------------------------------------------------------------------- §4 numbers
 
 @pytest.mark.parametrize("cfg, m, scale", [

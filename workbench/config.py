@@ -155,6 +155,9 @@ class VerifierConfig(MLADims):
     eos_token_id: int | list | None = None
     tie_word_embeddings: bool = False
     extra: dict = field(default_factory=dict)  # unknown fields, written back untouched
+    # The checkpoint's `quantization_config` (the wrapper's when text_config has none), for the weight
+    # reader; never written back, since what we save is dequantised.
+    quantization: dict | None = field(default=None, compare=False)
 
     @property
     def has_correction_bias(self) -> bool:
@@ -178,8 +181,12 @@ class VerifierConfig(MLADims):
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
         if isinstance(d.get("text_config"), dict):  # Kimi-K2.5: the LM lives under text_config
-            d = dict(d["text_config"], **{k: v for k, v in d.items() if k in ("eos_token_id", "bos_token_id") and k not in d["text_config"]})
+            lifted = ("eos_token_id", "bos_token_id", "quantization_config")
+            d = dict(d["text_config"], **{k: v for k, v in d.items() if k in lifted and k not in d["text_config"]})
             source = f"{source} (text_config)"
+        quant = d.get("quantization_config")
+        if quant is not None and not isinstance(quant, dict):
+            raise ConfigError(f"{source}: field 'quantization_config' = {quant!r}; expected an object")
         mt = d.get("model_type")
         if mt not in VERIFIER_MODEL_TYPES:
             raise ConfigError(
@@ -225,6 +232,7 @@ class VerifierConfig(MLADims):
             eos_token_id=d.get("eos_token_id"),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             extra={k: v for k, v in d.items() if k not in known and k not in _HF_ONLY},
+            quantization=quant,
         )
         cfg.validate(source)
         return cfg
