@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from workbench.checkpoint import (
-    CheckpointError, SafetensorsReader, dequantize_fp8_blocks, draft_name, load_state,
-    save_state, verifier_name,
+    CheckpointError, SafetensorsReader, dequantize_fp8_blocks, dequantize_packed, draft_name, load_state,
+    logical_layout, save_state, skipped_multimodal, text_prefix, unpack_int32, verifier_name,
 )
 
 H, VOCAB, DRAFT_VOCAB = 8, 16, 6
@@ -300,6 +300,162 @@ def test_fp8_scale_of_wrong_shape(tmp_path):
         SafetensorsReader(tmp_path).get("proj.weight")
     with pytest.raises(ValueError, match=r"expected \(3, 2\)"):
         dequantize_fp8_blocks(q, scale[:2, :1])
+
+
+# --------------------------------------------------------------------------- compressed-tensors int
+
+EXPERT = "language_model.model.layers.1.mlp.experts.0.down_proj"
+
+
+def ct_quantization(num_bits: int = 4, group_size: int | None = 32, symmetric: bool = True, **weights) -> dict:
+    """Kimi-K2.5's quantization_config, with the weight scheme's fields open to change."""
+    strategy = "group" if group_size else "channel"
+    w = {"num_bits": num_bits, "type": "int", "strategy": strategy, "group_size": group_size,
+         "symmetric": symmetric, "actorder": None, "dynamic": False, "observer": "minmax", **weights}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": w, "input_activations": None}},
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                       r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}
+
+
+def ct_compress(w: torch.Tensor, q: dict, scale_dtype=torch.bfloat16) -> tuple[dict, torch.Tensor]:
+    """compressed-tensors' own compressor on w (min-max scales, as the Kimi checkpoints' observer):
+    (its state dict: weight_packed, weight_scale, weight_shape[, weight_zero_point], its decompressed weight)."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = q["config_groups"]["group_0"]["weights"]
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**{k: args[k] for k in (
+        "num_bits", "type", "strategy", "group_size", "symmetric")}))
+    assert ct.__version__  # the package itself, not a stand-in
+    rows, cols = w.shape
+    size = args["group_size"] or cols
+    g = w.view(rows, cols // size, size)
+    top = 2 ** (args["num_bits"] - 1)
+    if args["symmetric"]:
+        scale, zp = (g.abs().amax(-1) / (top - 0.5)).to(scale_dtype), None
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / (2 * top - 1)).to(scale_dtype)
+        zp = (-top - torch.round(lo / scale.float())).clamp(-top, top - 1).to(torch.int8)
+    state = {"weight": w.to(scale_dtype), "weight_scale": scale}
+    if zp is not None:
+        state["weight_zero_point"] = zp
+    packed = PackedQuantizationCompressor.compress(state, scheme)
+    return packed, PackedQuantizationCompressor.decompress(packed, scheme)["weight"]
+
+
+@pytest.mark.parametrize("num_bits", [2, 4, 8])
+@pytest.mark.parametrize("cols", [64, 37])  # 37: the last int32 word of each row is part padding
+def test_unpack_int32_inverts_compressed_tensors_pack(num_bits, cols):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    top = 2 ** (num_bits - 1)
+    values = torch.randint(-top, top, (19, cols), generator=torch.Generator().manual_seed(cols), dtype=torch.int8)
+    assert torch.equal(unpack_int32(pack_to_int32(values, num_bits), num_bits, cols), values)
+    assert torch.equal(unpack_int32(pack_to_int32(values, num_bits, packed_dim=0), num_bits, 19, dim=0), values)
+
+
+@pytest.mark.parametrize("group_size, symmetric, scale_dtype", [
+    (32, True, torch.bfloat16),  # Kimi-K2.5/K2.6's routed experts
+    (32, False, torch.float32),  # asymmetric: a packed zero point
+    (None, True, torch.bfloat16),  # per channel
+])
+def test_dequantize_packed_equals_compressed_tensors(group_size, symmetric, scale_dtype):
+    """compressed-tensors dequantises in the scale's dtype; we work in fp32, where each product is exact,
+    so ours rounded to that dtype is bit-identical to theirs."""
+    q = ct_quantization(group_size=group_size, symmetric=symmetric)
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(1)) * 0.05
+    packed, theirs = ct_compress(w, q, scale_dtype)
+    ours = dequantize_packed(packed["weight_packed"], packed["weight_scale"], tuple(packed["weight_shape"].tolist()),
+                             4, group_size, packed.get("weight_zero_point"))
+    assert ours.dtype == torch.float32 and torch.equal(ours.to(theirs.dtype), theirs)
+    assert (ours - w).abs().max() < 0.25 * w.abs().max()  # int4: a few levels per group
+
+
+def test_reader_shows_packed_triplets_as_one_weight(tmp_path):
+    q = ct_quantization()
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(2)) * 0.05
+    packed, theirs = ct_compress(w, q)
+    packed["weight_shape"] = packed["weight_shape"].to(torch.int32)  # as the published files store it
+    norm = torch.ones(64, dtype=torch.bfloat16)
+    save_state({**{f"{EXPERT}.{k}": v for k, v in packed.items()}, "language_model.model.norm.weight": norm,
+                "vision_tower.patch_embed.weight": torch.zeros(3), "mm_projector.proj.0.weight": torch.zeros(2)},
+               tmp_path)
+    reader = SafetensorsReader(tmp_path, q)
+    keys = reader.keys()
+    assert sorted(keys) == sorted([f"{EXPERT}.weight", "language_model.model.norm.weight",
+                                   "vision_tower.patch_embed.weight", "mm_projector.proj.0.weight"])
+    assert reader.shape(f"{EXPERT}.weight") == (24, 64) and reader.dtype(f"{EXPERT}.weight") == torch.bfloat16
+    assert f"{EXPERT}.weight" in reader and reader.file_of(f"{EXPERT}.weight").endswith("model.safetensors")
+    got = reader.get(f"{EXPERT}.weight")
+    assert got.dtype == torch.float32 and torch.equal(got.to(torch.bfloat16), theirs)
+    assert torch.equal(reader.get(f"{EXPERT}.weight", dtype=torch.bfloat16), theirs)
+    assert text_prefix(keys) == "language_model."
+    assert skipped_multimodal(keys) == {"vision_tower.": 1, "mm_projector.": 1}
+    rename = verifier_name(61, "language_model.")
+    assert rename(f"{EXPERT}.weight") == "model.layers.1.mlp.experts.0.down_proj.weight"
+    assert rename("vision_tower.patch_embed.weight") is None
+    assert rename("language_model.lm_head.weight") == "lm_head.weight"
+
+
+def test_logical_layout_of_a_listing():
+    """What the reader shows, from shapes alone: the K2.5 triplet [7168, 256] int32 + [7168, 64] scales,
+    and a K2 fp8 weight with its [56, 16] block scales."""
+    k25 = {f"{EXPERT}.weight_packed": (7168, 256), f"{EXPERT}.weight_scale": (7168, 64),
+           f"{EXPERT}.weight_shape": (2,), "language_model.model.norm.weight": (7168,)}
+    assert logical_layout(k25, ct_quantization(), "listing") == {f"{EXPERT}.weight": (7168, 2048),
+                                                                 "language_model.model.norm.weight": (7168,)}
+    fp8 = {"model.layers.1.mlp.experts.0.down_proj.weight": (7168, 2048),
+           "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv": (56, 16)}
+    q = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert logical_layout(fp8, q) == {"model.layers.1.mlp.experts.0.down_proj.weight": (7168, 2048)}
+    with pytest.raises(CheckpointError, match=r"listing: tensor '.*weight_scale_inv' has shape \(56, 8\); "
+                                              r"expected \(56, 16\)"):
+        logical_layout({**fp8, "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv": (56, 8)}, q, "listing")
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"num_bits": 3}, "num_bits 3"),
+    ({"actorder": "group"}, "actorder 'group'"),
+    ({"type": "float"}, "type 'float'"),
+    ({"strategy": "tensor"}, "strategy 'tensor'"),
+])
+def test_unhandled_compressed_tensors_scheme_names_scheme_tensor_and_file(tmp_path, change, fragment):
+    q = ct_quantization()
+    packed, _ = ct_compress(torch.randn(8, 64) * 0.05, q)
+    save_state({f"{EXPERT}.{k}": v for k, v in packed.items()}, tmp_path)
+    q["config_groups"]["group_0"]["weights"].update(change)
+    with pytest.raises(CheckpointError) as err:
+        SafetensorsReader(tmp_path, q)
+    msg = str(err.value)
+    for part in (str(tmp_path / "model.safetensors"), f"'{EXPERT}.weight_packed'",
+                 "quantization_config.config_groups.group_0", fragment, "does not handle"):
+        assert part in msg, (part, msg)
+
+
+def test_unhandled_quantisation_formats(tmp_path):
+    """Another compressed-tensors format (fp8 weights with weight_scale, no packing), another quant_method,
+    a packed tensor the config does not explain, and one its ignore list excludes: each named."""
+    save_state({"model.layers.0.mlp.down_proj.weight": torch.zeros(4, 4).to(torch.float8_e4m3fn),
+                "model.layers.0.mlp.down_proj.weight_scale": torch.ones(4, 1)}, tmp_path / "fp8")
+    q = dict(ct_quantization(), format="float-quantized")
+    with pytest.raises(CheckpointError, match=r"fp8/model\.safetensors: tensor 'model\.layers\.0\.mlp\.down_proj\."
+                                              r"weight_scale' has no .*weight_packed.* format 'float-quantized'"):
+        SafetensorsReader(tmp_path / "fp8", q)
+    save_state({"model.layers.0.mlp.down_proj.qweight": torch.zeros(4, 4, dtype=torch.int32)}, tmp_path / "awq")
+    with pytest.raises(CheckpointError, match=r"cfg\.json: quantization_config\.quant_method = 'awq' is not handled; "
+                                              r"first quantised tensor 'model\.layers\.0\.mlp\.down_proj\.qweight' in "
+                                              r".*awq/model\.safetensors"):
+        SafetensorsReader(tmp_path / "awq", {"quant_method": "awq", "bits": 4}, "cfg.json")
+    packed, _ = ct_compress(torch.randn(8, 64) * 0.05, ct_quantization())
+    save_state({f"{EXPERT}.{k}": v for k, v in packed.items()}, tmp_path / "ct")
+    with pytest.raises(CheckpointError, match=r"is packed, but .* has no compressed-tensors quantization_config"):
+        SafetensorsReader(tmp_path / "ct")
+    with pytest.raises(CheckpointError, match=r"quantization_config\.ignore lists module"):
+        SafetensorsReader(tmp_path / "ct", dict(ct_quantization(), ignore=["re:.*experts.*"]))
 
 
 # --------------------------------------------------------------------------- bad input

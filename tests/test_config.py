@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -105,6 +106,16 @@ def test_kimi_k25_text_config_nesting():
     assert "vision_config" not in c.extra
 
 
+def test_quantization_config_kept_for_the_reader():
+    """Kept (the wrapper's when text_config has none), never written back: what we save is dequantised."""
+    c = VerifierConfig.from_hf(copy.deepcopy(DEEPSEEK_V3))
+    assert c.quantization["quant_method"] == "fp8" and "quantization_config" not in c.to_hf()
+    q = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    assert VerifierConfig.from_hf(dict(copy.deepcopy(KIMI_K25), quantization_config=q)).quantization == q
+    with pytest.raises(ConfigError, match=r"cfg\.json: field 'quantization_config' = 'fp8'; expected an object"):
+        VerifierConfig.from_hf(dict(copy.deepcopy(KIMI_K2), quantization_config="fp8"), "cfg.json")
+
+
 def test_deepseek_v2_direct_q_proj():
     c = VerifierConfig.from_hf(copy.deepcopy(DEEPSEEK_V2_LITE))
     assert c.q_lora_rank is None and c.num_attention_heads == 16
@@ -199,6 +210,50 @@ def test_draft_aux_ids_top_level_or_eagle_config():
     assert DraftConfig.from_hf(neither, num_target_layers=61).aux_layer_ids == (2, 30, 58)  # vLLM default
     with pytest.raises(ConfigError, match=r"eagle_aux_hidden_state_layer_ids' is missing"):
         DraftConfig.from_hf(neither)
+
+
+def test_draft_aux_ids_read_as_vllm_reads_them():
+    """vLLM captures a top-level eagle_aux_hidden_state_layer_ids, else (2, L//2, L - 3): never eagle_config's.
+    A TorchSpec draft's nested [1, 29, 57] ("output of layer i") thus fuses (2, 30, 58) of a 61-layer verifier."""
+    torchspec = copy.deepcopy(K25_DRAFT)
+    torchspec["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 29, 57]
+    c = DraftConfig.from_hf(torchspec, num_target_layers=61)
+    assert (c.aux_layer_ids, c.aux_ids_source, c.nested_aux_layer_ids) == ((2, 30, 58), "default", (1, 29, 57))
+    top = dict(torchspec, eagle_aux_hidden_state_layer_ids=[3, 31, 59])
+    c = DraftConfig.from_hf(top, num_target_layers=61)
+    assert (c.aux_layer_ids, c.aux_ids_source, c.nested_aux_layer_ids) == ((3, 31, 59), "top-level", (1, 29, 57))
+    empty = dict(torchspec, eagle_aux_hidden_state_layer_ids=[])  # vLLM's `if layer_ids` skips an empty list
+    assert DraftConfig.from_hf(empty, num_target_layers=8).aux_layer_ids == (2, 4, 5)
+    same = DraftConfig.from_hf(copy.deepcopy(K25_DRAFT), num_target_layers=61)  # nested [2, 30, 58] = the default
+    assert (same.aux_ids_source, same.nested_aux_layer_ids) == ("default", None)
+    alone = DraftConfig.from_hf(torchspec)  # no verifier to take a default from: the nested ids, marked so
+    assert (alone.aux_layer_ids, alone.aux_ids_source) == ((1, 29, 57), "eagle_config")
+    out = c.to_hf()  # both places, so vLLM and the trainers' readers agree
+    nested = out["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert out["eagle_aux_hidden_state_layer_ids"] == nested == [3, 31, 59]
+    with pytest.raises(ConfigError, match=r"field 'eagle_aux_hidden_state_layer_ids' = 30; expected a list"):
+        DraftConfig.from_hf(dict(torchspec, eagle_aux_hidden_state_layer_ids=30), num_target_layers=61)
+    with pytest.raises(ConfigError, match=r"= \[1, 2\] \(top-level\); expected 3 integer layer ids"):
+        DraftConfig.from_hf(dict(torchspec, eagle_aux_hidden_state_layer_ids=[1, 2]), num_target_layers=61)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"topk_method": "group_limited"}, "'topk_method' = 'group_limited'; expected one of greedy, group_limited_greedy"),
+    ({"topk_group": 9}, "field 'topk_group' = 9; expected 1..n_group=8"),
+    ({"num_experts_per_tok": 200}, "field 'num_experts_per_tok' = 200; expected 1..128"),
+])
+def test_routing_fields_checked(change, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        VerifierConfig.from_hf(dict(copy.deepcopy(DEEPSEEK_V3), **change), "cfg.json")
+
+
+def test_routing_defaults_and_correction_bias():
+    v2 = VerifierConfig.from_hf(copy.deepcopy(DEEPSEEK_V2_LITE))
+    assert not v2.has_correction_bias and VerifierConfig.from_hf(copy.deepcopy(KIMI_K2)).has_correction_bias
+    full_v2 = dict(DEEPSEEK_V2_LITE, topk_method="group_limited_greedy", n_group=8, topk_group=3,
+                   routed_scaling_factor=16.0, n_routed_experts=160)
+    c = VerifierConfig.from_hf(full_v2)
+    assert (c.topk_method, c.n_group, c.topk_group, c.routed_scaling_factor) == ("group_limited_greedy", 8, 3, 16.0)
 
 
 def test_draft_defaults_and_v3_alias():

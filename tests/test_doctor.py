@@ -64,10 +64,12 @@ def make_copy_pair(out: Path, prompts: list[str] = PROMPTS, aux: tuple[int, ...]
 
 
 def with_aux_ids(draft_dir: Path, out: Path, ids: list[int]) -> Path:
-    """A copy of a draft checkpoint whose config.json names other aux layer ids."""
+    """A copy of a draft checkpoint whose config.json names other aux layer ids (at the top level,
+    where vLLM and `load_draft` read them, and in eagle_config, where trainers write them)."""
     shutil.copytree(draft_dir, out)
     cfg = json.loads((out / "config.json").read_text())
     cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    cfg["eagle_aux_hidden_state_layer_ids"] = ids
     (out / "config.json").write_text(json.dumps(cfg))
     return out
 

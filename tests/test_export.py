@@ -1,7 +1,8 @@
 """The vLLM export check: `export_draft` writes what vLLM's Eagle3DeepseekV2ForCausalLM loads.
 
 `check_vllm_draft_dir` states the expected checkpoint from eagle3_mla.md §1-2 (names, the
-exact [out, in] shapes of the §2 table, config fields), independently of the exporter.
+exact [out, in] shapes of the §2 table, config fields), independently of the exporter, and
+`vllm_reads` restates what vLLM's config code makes of a draft config (shared/real/README.md).
 """
 from __future__ import annotations
 
@@ -28,13 +29,50 @@ def safetensors_header(path: Path) -> dict:
     return header
 
 
-def check_vllm_draft_dir(directory: Path, verifier_cfg) -> dict:
-    """Everything vLLM's MLA draft loader expects of `directory` (eagle3_mla.md §1-2); returns config."""
+def vllm_reads(c: dict, num_target_layers: int) -> dict:
+    """What vLLM's config code makes of a draft config.json, restated from its source:
+
+    - `SpeculativeConfig.hf_config_override` turns model_type deepseek_v3 (and deepseek_v32,
+      glm_moe_dsa) into deepseek_mtp with architecture DeepSeekMTPModel: an MTP head, not EAGLE-3;
+    - `get_eagle3_aux_layers_from_config` takes a top-level, non-empty list
+      `eagle_aux_hidden_state_layer_ids`; otherwise the verifier's default (2, L // 2, L - 3)
+      applies, whatever eagle_config holds.
+    """
+    model_type, archs = c.get("model_type"), list(c.get("architectures") or [])
+    if model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
+        model_type, archs = "deepseek_mtp", ["DeepSeekMTPModel"]
+    ids = c.get("eagle_aux_hidden_state_layer_ids")
+    L = num_target_layers
+    aux = tuple(ids) if ids and isinstance(ids, (list, tuple)) else (2, L // 2, L - 3)
+    return {"model_type": model_type, "architectures": archs, "aux_layer_ids": aux}
+
+
+def test_vllm_reads_restates_the_rules():
+    torchspec = {"model_type": "kimi_k2", "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
+    assert vllm_reads(torchspec, 61) == {"model_type": "kimi_k2", "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+                                         "aux_layer_ids": (2, 30, 58)}
+    old_export = dict(torchspec, model_type="deepseek_v3", eagle_aux_hidden_state_layer_ids=[1, 29, 57])
+    assert vllm_reads(old_export, 61) == {"model_type": "deepseek_mtp", "architectures": ["DeepSeekMTPModel"],
+                                          "aux_layer_ids": (1, 29, 57)}
+    assert vllm_reads(dict(torchspec, eagle_aux_hidden_state_layer_ids=[]), 8)["aux_layer_ids"] == (2, 4, 5)
+
+
+def check_vllm_draft_dir(directory: Path, verifier_cfg, rope=None) -> dict:
+    """Everything vLLM's MLA draft loader expects of `directory` (eagle3_mla.md §1-2); returns config.
+    `rope`: the rope_theta / rope_scaling / max_position_embeddings expected (default: the verifier's)."""
     directory = Path(directory)
     assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors"]  # safetensors only
     c = json.loads((directory / "config.json").read_text())
     assert c["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
-    assert c["model_type"] in ("kimi_k2", "deepseek_v3", "deepseek_v2")
+    # kimi_k2, as the published Kimi MLA drafts: deepseek_v3 would be read as an MTP head (see vllm_reads)
+    assert c["model_type"] == "kimi_k2"
+    read = vllm_reads(c, verifier_cfg.num_hidden_layers)
+    assert read["model_type"] == "kimi_k2" and read["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    assert list(read["aux_layer_ids"]) == c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]  # same ids, both places
+    rope = rope or {f: getattr(verifier_cfg, f) for f in ("rope_theta", "rope_scaling", "max_position_embeddings")}
+    assert c["rope_theta"] == rope["rope_theta"] and c["max_position_embeddings"] == rope["max_position_embeddings"]
+    assert {k: v for k, v in c["rope_scaling"].items() if k not in ("rope_type", "rope_theta")} == rope["rope_scaling"]
     assert c["num_hidden_layers"] == 1 and c["tie_word_embeddings"] is False and c["hidden_act"] == "silu"
     H = c["hidden_size"]
     assert H == verifier_cfg.hidden_size and c["target_hidden_size"] == verifier_cfg.hidden_size
@@ -85,14 +123,14 @@ def check_vllm_draft_dir(directory: Path, verifier_cfg) -> dict:
     float_dtype = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[c["torch_dtype"]]
     for name, info in header.items():
         assert info["dtype"] == ("I64" if name == "d2t" else float_dtype), name
-    try:  # vLLM reads a deepseek_v3 draft's config through transformers (strict dataclasses in v5)
+    try:  # vLLM's config registry reads kimi_k2 as transformers' DeepseekV3Config (strict dataclasses in v5)
         import transformers
     except ImportError:
         return c
-    if c["model_type"] in transformers.CONFIG_MAPPING:
-        hf = transformers.AutoConfig.from_pretrained(directory)
-        assert (hf.num_hidden_layers, hf.hidden_size, hf.kv_lora_rank) == (1, H, L)
-        assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == aux and hf.draft_vocab_size == Vd
+    hf = transformers.DeepseekV3Config.from_pretrained(directory)
+    assert (hf.num_hidden_layers, hf.hidden_size, hf.kv_lora_rank) == (1, H, L)
+    assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == aux and hf.draft_vocab_size == Vd
+    assert list(hf.eagle_aux_hidden_state_layer_ids) == aux  # getattr(hf_config, ...) is how vLLM reads them
     return c
 
 
@@ -190,3 +228,34 @@ def test_export_embedded_draft(embedded_pair, tmp_path):
     c = check_vllm_draft_dir(out, embedded_pair.verifier.config)
     assert c["hidden_size"] == 256 and c["q_lora_rank"] == 96
     reload_and_compare(embedded_pair, out, exact=True)
+
+
+def test_export_rope_is_the_verifiers_unless_asked(random_pair, tmp_path, caplog):
+    """A draft whose config says other rope fields (a trainer's default, a shorter context) exports the
+    verifier's: an engine gives the draft the verifier's positions. `rope_from="draft"` keeps its own."""
+    src = tmp_path / "draft"
+    wb.save_model(random_pair.draft, src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(cfg, rope_theta=20000.0, max_position_embeddings=256)))
+    pair = random_pair.with_draft(src)
+    own = {f: getattr(pair.draft.config, f) for f in ("rope_theta", "rope_scaling", "max_position_embeddings")}
+    assert (own["rope_theta"], own["max_position_embeddings"]) == (20000.0, 256)
+    with caplog.at_level("WARNING", logger="workbench.integrations.vllm"):
+        out = export_draft(pair, tmp_path / "verifier-rope", dtype="float32")
+    c = check_vllm_draft_dir(out, pair.verifier.config)
+    assert c["rope_theta"] == pair.verifier.config.rope_theta != 20000.0
+    assert "rope_theta 20000.0 -> " in caplog.text and "max_position_embeddings 256 -> 512" in caplog.text
+    out = export_draft(pair, tmp_path / "draft-rope", dtype="float32", rope_from="draft")
+    assert check_vllm_draft_dir(out, pair.verifier.config, rope=own)["rope_theta"] == 20000.0
+    reload_and_compare(pair, out, exact=True)
+    with pytest.raises(ValueError, match=r"rope_from = 'target'; expected 'verifier' or 'draft'"):
+        export_draft(pair, tmp_path / "bad", rope_from="target")
+
+
+def test_export_loads_back_with_top_level_ids(random_pair, tmp_path):
+    """What we export loads back (kimi_k2, ids from the top level) and captures the same layers."""
+    out = export_draft(random_pair, tmp_path / "vllm", dtype="float32")
+    back = wb.load_draft(out, random_pair.verifier, dtype=torch.float32)
+    assert back.config.model_type == "kimi_k2" and back.config.aux_ids_source == "top-level"
+    assert back.config.aux_layer_ids == random_pair.draft.config.aux_layer_ids == (1, 2, 3)
+    assert random_pair.verifier.aux_layer_ids == (1, 2, 3)

@@ -162,6 +162,121 @@ def test_direct_q_proj_config_matches_transformers(dsv2_style):
     assert max_diff(ours(ids[:, 33:37], cache=cache, path="absorbed").logits, ref.logits[:, 33:37]) <= ATOL_HF
 
 
+# --------------------------------------------------------------------------- DeepSeek-V2 parity
+
+V2_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+           "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}  # DeepSeek-V2-Lite's rope_scaling
+# DeepSeek-V2-Lite's shapes (its config.json): every head dimension, the dense and expert widths, 2 shared
+# experts and top-6 softmax greedy routing; 2 layers (layer 0 dense, as first_k_dense_replace = 1), 8 routed
+# experts of its 64 and a 1024-token vocabulary, so the pair fits a test (185M parameters, ~2 GB).
+V2_LITE = dict(vocab_size=1024, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+               num_hidden_layers=2, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
+               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=2,
+               num_experts_per_tok=6, n_group=1, topk_group=1, topk_method="greedy", routed_scaling_factor=1.0)
+# Full DeepSeek-V2's routing (group_limited_greedy: groups ranked by their best expert; scaling 16) at small widths.
+V2_GROUPED = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+                  num_hidden_layers=3, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                  qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3,
+                  n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=16.0)
+
+
+def randomise_by_fan_in(module: torch.nn.Module, seed: int) -> None:
+    """N(0, 1/fan_in) matrices (outputs of unit size at any width), norms U(0.5, 1.5)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+def v2_case(tmp_path_factory, shape: dict, seed: int, tokens: int):
+    """(transformers DeepseekV2ForCausalLM, our Verifier from its save_pretrained directory, ids, reference)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DeepseekV2Config(
+        num_key_value_heads=shape["num_attention_heads"], first_k_dense_replace=1, norm_topk_prob=False,
+        rms_norm_eps=1e-6, max_position_embeddings=163840, rope_parameters={"rope_theta": 10000.0, **V2_YARN},
+        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, **shape)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    hf = transformers.DeepseekV2ForCausalLM(cfg).eval()
+    randomise_by_fan_in(hf, seed)
+    directory = tmp_path_factory.mktemp(f"dsv2_{shape['topk_method']}")
+    hf.save_pretrained(directory)
+    ours = wb.load_verifier(directory)
+    ids = torch.randint(0, shape["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    del hf
+    return ours, ids, ref
+
+
+@pytest.fixture(scope="module")
+def dsv2_lite(tmp_path_factory):
+    return v2_case(tmp_path_factory, V2_LITE, seed=21, tokens=48)
+
+
+@pytest.fixture(scope="module")
+def dsv2_grouped(tmp_path_factory):
+    return v2_case(tmp_path_factory, V2_GROUPED, seed=23, tokens=48)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("case", ["dsv2_lite", "dsv2_grouped"])
+def test_deepseek_v2_matches_transformers(case, request):
+    """Prefill, token-by-token decode through the latent cache, and a 4-token verify chunk (both
+    attention paths) after a 40-token prefix, against transformers' DeepseekV2 in fp32."""
+    ours, ids, ref = request.getfixturevalue(case)
+    cfg = ours.config
+    assert cfg.model_type == "deepseek_v2" and cfg.q_lora_rank is None and not cfg.has_correction_bias
+    gate = ours.model.layers[1].mlp.gate
+    assert gate.e_score_correction_bias is None
+    assert (gate.topk_method, gate.scoring_func) == (cfg.topk_method, "softmax")
+    assert not hasattr(ours.model.layers[0].mlp, "gate")  # first_k_dense_replace = 1
+    assert ref.std() > 0.5
+    assert max_diff(ours(ids).logits, ref) <= ATOL_HF
+    cache = ours.new_cache(64)
+    for t in range(8):
+        assert max_diff(ours(ids[:, t:t + 1], cache=cache).logits[:, 0], ref[:, t]) <= ATOL_HF, f"position {t}"
+    for path in ("absorbed", "naive"):
+        cache = ours.new_cache(64)
+        ours(ids[:, :40], cache=cache, logits_to_keep=1)
+        assert max_diff(ours(ids[:, 40:44], cache=cache, path=path).logits, ref[:, 40:44]) <= ATOL_HF, path
+
+
+def test_router_weights_v2_and_v3():
+    """V2 (DeepSeek-V2's code): renormalise when norm_topk_prob, else scale. V3: renormalise, then scale.
+    group_limited_greedy ranks groups by their best score, noaux_tc by their two best biased ones."""
+    from workbench.config import VerifierConfig
+    from workbench.models.moe import Router
+
+    def router(**over) -> Router:
+        cfg = VerifierConfig(num_attention_heads=1, q_lora_rank=None, kv_lora_rank=4, qk_nope_head_dim=2,
+                             qk_rope_head_dim=2, v_head_dim=2, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
+                             hidden_size=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                             routed_scaling_factor=3.0, **over)
+        r = Router(cfg)
+        with torch.no_grad():
+            r.weight.copy_(torch.eye(4))
+        return r
+
+    x = torch.tensor([[0.0, 2.0, 1.9, 1.0]])  # groups {0, 1} and {2, 3}: best 2.0 vs 1.9, pair sums 2.0 vs 2.9
+    p = x.softmax(-1)[0]
+    w, ids = router(topk_method="greedy", scoring_func="softmax", norm_topk_prob=False)(x)
+    assert sorted(ids[0].tolist()) == [1, 2] and torch.allclose(w[0].sort().values, 3 * p[[2, 1]])
+    w, ids = router(topk_method="greedy", scoring_func="softmax", norm_topk_prob=True)(x)
+    assert torch.allclose(w.sum(), torch.tensor(1.0))  # renormalised, not scaled
+    w, ids = router(topk_method="group_limited_greedy", scoring_func="softmax", norm_topk_prob=False)(x)
+    assert sorted(ids[0].tolist()) == [0, 1] and torch.allclose(w[0].sort().values, 3 * p[[0, 1]])
+    r = router(topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True)
+    assert r.e_score_correction_bias.shape == (4,) and r.sigmoid
+    w, ids = r(x)
+    assert sorted(ids[0].tolist()) == [2, 3] and torch.allclose(w.sum(), torch.tensor(3.0))  # renormalised, scaled
+    assert router(topk_method="greedy", scoring_func="softmax").e_score_correction_bias is None
+    assert "e_score_correction_bias" not in router(topk_method="greedy", scoring_func="softmax").state_dict()
+
+
 # --------------------------------------------------------------------------- naive == absorbed
 
 def mla_dims(q_lora_rank: int | None = 24, eps: float = 1e-5) -> MLADims:

@@ -180,6 +180,92 @@ def test_fp8_block_quantised_verifier(tmp_path):
     assert torch.isfinite(v(torch.tensor([[1, 2, 3]])).logits).all()
 
 
+def test_kimi_k25_layout_verifier(tmp_path, caplog):
+    """Kimi-K2.5's layout, small: the text model under text_config and `language_model.`, a vision tower
+    and projector beside it (skipped, and said so), routed experts in compressed-tensors int4 groups of
+    32 (dequantised exactly as compressed-tensors does), everything else bf16."""
+    from tests.test_checkpoint import ct_compress, ct_quantization
+
+    cfg = VerifierConfig(
+        model_type="kimi_k2", vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=2, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, rms_norm_eps=1e-5, rope_theta=50000.0, rope_scaling=None)
+    q = ct_quantization()
+    torch.manual_seed(0)
+    tensors, expect = {}, {}
+    for name, t in Verifier(cfg).state_dict().items():
+        t = torch.rand(t.shape) + 0.5 if "norm" in name else torch.randn(t.shape) * 0.05
+        if ".mlp.experts." in name:
+            packed, expect[name] = ct_compress(t, q)
+            tensors.update({f"language_model.{name}_{k.removeprefix('weight_')}": v for k, v in packed.items()})
+        else:
+            tensors["language_model." + name] = expect[name] = t if name.endswith("correction_bias") else t.bfloat16()
+    tensors.update({f"vision_tower.blocks.{i}.wqkv.weight": torch.zeros(4, 4) for i in range(3)})
+    tensors["mm_projector.proj.0.weight"] = torch.zeros(2, 2)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    text = {k: v for k, v in cfg.to_hf().items() if k not in ("bos_token_id", "eos_token_id")}
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "bos_token_id": 1,
+        "eos_token_id": 2, "quantization_config": q, "vision_config": {"vt_hidden_size": 4},
+        "text_config": dict(text, model_type="deepseek_v3", quantization_config=q)}))
+    with caplog.at_level("INFO", logger="workbench.pair"):
+        v = wb.load_verifier(tmp_path)
+    state = v.state_dict()
+    assert state.keys() == expect.keys()
+    for name, want in expect.items():  # fp32 holds the exact int4 x scale products; compressed-tensors rounds to bf16
+        assert torch.equal(state[name].to(want.dtype), want), name
+    assert v.config.quantization["format"] == "pack-quantized"
+    assert (v.config.bos_token_id, v.config.eos_token_id) == (1, 2)
+    assert v.load_notes[0].endswith("skipped 4 tensors of no text-model part (vision_tower.* x3, mm_projector.* x1)")
+    assert "skipped 4 tensors" in caplog.text
+    assert torch.isfinite(v(torch.tensor([[1, 2, 3]])).logits).all()
+    bf16 = wb.load_verifier(tmp_path, dtype=torch.bfloat16)  # int4 x bf16 scale is exact: the same bits as theirs
+    name = "model.layers.2.mlp.experts.3.up_proj.weight"
+    assert torch.equal(bf16.state_dict()[name], expect[name])
+
+
+def test_nested_output_of_layer_ids_capture_what_vllm_captures(tmp_path):
+    """A TorchSpec-style draft nests [1, L//2 - 1, L - 4] ("output of layer i") and no top-level ids: we
+    capture vLLM's (2, L//2, L - 3), i.e. transformers' output_hidden_states[2, L//2, L - 3], which are
+    exactly the outputs of the nested layers (hidden_states[i + 1]), not the nested ids read as inputs."""
+    transformers = pytest.importorskip("transformers")
+    from workbench.training.draft_init import draft_config_for, init_draft
+
+    L = 8
+    hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=L,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, max_position_embeddings=256, tie_word_embeddings=False)
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(4)
+    hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, prm in hf.named_parameters():
+            prm.copy_(torch.rand(prm.shape) + 0.5 if "norm" in name else torch.randn(prm.shape) * 0.1)
+    hf.save_pretrained(tmp_path / "verifier")
+    verifier = wb.load_verifier(tmp_path / "verifier")
+    nested = [1, L // 2 - 1, L - 4]
+    wb.save_model(init_draft(draft_config_for(verifier.config, intermediate_size=64, aux_layer_ids=(1, 2, 3))),
+                  tmp_path / "draft")
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    del cfg["eagle_aux_hidden_state_layer_ids"]
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = nested
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(cfg))
+    draft = wb.load_draft(tmp_path / "draft", verifier)
+    assert (draft.config.aux_layer_ids, draft.config.aux_ids_source) == ((2, 4, 5), "default")
+    assert draft.config.nested_aux_layer_ids == (1, 3, 4) and verifier.aux_layer_ids == (2, 4, 5)
+    assert "eagle_config names aux ids [1, 3, 4]; capturing [2, 4, 5] (default)" in draft.load_notes[0]
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf(ids, output_hidden_states=True).hidden_states
+        got = verifier(ids).aux_hidden_states
+    for j, i in enumerate(nested):
+        assert (got[j] - want[i + 1]).abs().max() <= 1e-4  # the output of layer i = the input of layer i + 1
+        assert (got[j] - want[i]).abs().max() > 1e-2  # what reading the nested ids as capture-before would fuse
+
+
 # --------------------------------------------------------------------------- bad input
 
 def test_truncated_safetensors(dirs, tmp_path):
@@ -221,7 +307,8 @@ def test_draft_vocab_mismatch(dirs, verifier, tmp_path):
 
 def test_aux_ids_out_of_range(dirs, verifier, tmp_path):
     bad = copy_dir(dirs[1], tmp_path / "d")
-    edit_config(bad, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9], "use_aux_hidden_state": True})
+    edit_config(bad, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9], "use_aux_hidden_state": True},
+                eagle_aux_hidden_state_layer_ids=[1, 2, 9])  # the top level: where vLLM (and load_draft) reads
     expect_error(lambda: wb.load_draft(bad, verifier), wb.PairingError,
                  f"{bad}/config.json", "eagle_aux_hidden_state_layer_ids = [1, 2, 9]", "[9] out of range",
                  "expected ids in [0, 3]")

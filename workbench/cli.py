@@ -202,7 +202,7 @@ def cmd_export_vllm(args) -> int:
     import workbench as wb
 
     pair = wb.load_pair(verifier=args.verifier, draft=args.draft, dtype="float32")
-    out = export_draft(pair, args.out, dtype=args.export_dtype)
+    out = export_draft(pair, args.out, dtype=args.export_dtype, rope_from="draft" if args.draft_rope else "verifier")
     print(json.dumps({"out": str(out)}) if args.json else f"wrote {out}")
     return 0
 
@@ -310,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier")
     p.add_argument("--draft")
     p.add_argument("--export-dtype", default="bfloat16")
+    p.add_argument("--draft-rope", action="store_true",
+                   help="keep the draft's rope_theta, rope_scaling and max_position_embeddings (default: the verifier's)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_export_vllm)
 

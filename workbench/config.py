@@ -2,8 +2,8 @@
 
 Real checkpoints disagree on where fields live (Kimi-K2.5 nests the text model under
 `text_config`; transformers 5 writes `rope_parameters` where real checkpoints have
-`rope_theta` + `rope_scaling`; vLLM reads EAGLE aux ids from `eagle_config` or the top
-level). This module absorbs those differences once, so the models see one flat dataclass.
+`rope_theta` + `rope_scaling`; trainers nest EAGLE aux ids in `eagle_config`, where vLLM never
+reads them). This module absorbs those differences once, so the models see one flat dataclass.
 Every error names the file, the field and what was expected.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 VERIFIER_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2", "kimi_k25")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")  # DeepSeek-V2's two, DeepSeek-V3's one
+AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 DRAFT_ARCHITECTURES = {
     "Eagle3DeepseekV2ForCausalLM": "mla",
     "Eagle3DeepseekV3ForCausalLM": "mla",
@@ -83,6 +85,11 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def vllm_default_aux_ids(num_layers: int) -> tuple[int, int, int]:
+    """vLLM's (2, L // 2, L - 3); clamped into range so a model shallower than 4 layers still loads."""
+    return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
+
+
 def _rope_to_hf(theta: float, scaling: dict | None) -> dict:
     out: dict[str, Any] = {"rope_theta": theta}
     out["rope_scaling"] = dict(scaling, rope_type="yarn") if scaling else None
@@ -148,6 +155,14 @@ class VerifierConfig(MLADims):
     eos_token_id: int | list | None = None
     tie_word_embeddings: bool = False
     extra: dict = field(default_factory=dict)  # unknown fields, written back untouched
+    # The checkpoint's `quantization_config` (the wrapper's when text_config has none), for the weight
+    # reader; never written back, since what we save is dequantised.
+    quantization: dict | None = field(default=None, compare=False)
+
+    @property
+    def has_correction_bias(self) -> bool:
+        """Only noaux_tc routing has an `e_score_correction_bias` (DeepSeek-V3, Kimi-K2); V2 has none."""
+        return self.n_routed_experts is not None and self.topk_method == "noaux_tc"
 
     def is_moe_layer(self, i: int) -> bool:
         return (
@@ -159,16 +174,19 @@ class VerifierConfig(MLADims):
     @property
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
         """vLLM's (2, L // 2, L - 3); clamped into range so a model shallower than 4 layers still loads."""
-        n = self.num_hidden_layers
-        return tuple(min(max(i, 0), n - 1) for i in (2, n // 2, n - 3))
+        return vllm_default_aux_ids(self.num_hidden_layers)
 
     @classmethod
     def from_hf(cls, d: dict, source: str = "config.json") -> "VerifierConfig":
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
         if isinstance(d.get("text_config"), dict):  # Kimi-K2.5: the LM lives under text_config
-            d = dict(d["text_config"], **{k: v for k, v in d.items() if k in ("eos_token_id", "bos_token_id") and k not in d["text_config"]})
+            lifted = ("eos_token_id", "bos_token_id", "quantization_config")
+            d = dict(d["text_config"], **{k: v for k, v in d.items() if k in lifted and k not in d["text_config"]})
             source = f"{source} (text_config)"
+        quant = d.get("quantization_config")
+        if quant is not None and not isinstance(quant, dict):
+            raise ConfigError(f"{source}: field 'quantization_config' = {quant!r}; expected an object")
         mt = d.get("model_type")
         if mt not in VERIFIER_MODEL_TYPES:
             raise ConfigError(
@@ -214,6 +232,7 @@ class VerifierConfig(MLADims):
             eos_token_id=d.get("eos_token_id"),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             extra={k: v for k, v in d.items() if k not in known and k not in _HF_ONLY},
+            quantization=quant,
         )
         cfg.validate(source)
         return cfg
@@ -231,8 +250,19 @@ class VerifierConfig(MLADims):
                 raise ConfigError(f"{source}: field 'n_group' = {self.n_group}; expected a divisor of n_routed_experts={self.n_routed_experts}")
             if self.scoring_func not in ("sigmoid", "softmax"):
                 raise ConfigError(f"{source}: field 'scoring_func' = {self.scoring_func!r}; expected 'sigmoid' or 'softmax'")
+            if self.topk_method not in TOPK_METHODS:
+                raise ConfigError(f"{source}: field 'topk_method' = {self.topk_method!r}; expected one of "
+                                  f"{', '.join(TOPK_METHODS)}")
             if self.moe_intermediate_size <= 0:
                 raise ConfigError(f"{source}: field 'moe_intermediate_size' is missing; expected a positive integer for an MoE model")
+            per_group = self.n_routed_experts // self.n_group
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ConfigError(f"{source}: field 'topk_group' = {self.topk_group}; "
+                                  f"expected 1..n_group={self.n_group}")
+            kept = self.n_routed_experts if self.topk_method == "greedy" else self.topk_group * per_group
+            if not 1 <= self.num_experts_per_tok <= kept:
+                raise ConfigError(f"{source}: field 'num_experts_per_tok' = {self.num_experts_per_tok}; "
+                                  f"expected 1..{kept} (the experts {self.topk_method} routing can choose from)")
 
     def to_hf(self) -> dict:
         d = {
@@ -298,7 +328,7 @@ class DraftConfig(MLADims):
     intermediate_size: int = 0
     vocab_size: int = 0  # the verifier's vocabulary
     draft_vocab_size: int = 0  # lm_head rows; target id = i + d2t[i]
-    aux_layer_ids: tuple[int, ...] = ()
+    aux_layer_ids: tuple[int, ...] = ()  # the ids vLLM captures for this config (see `read_aux_ids`)
     use_aux_hidden_state: bool = True
     norm_before_residual: bool = False  # vLLM flag: residual = hidden_norm(h) instead of h
     norm_output: bool = False  # EAGLE-3.1: feed back the post-norm state
@@ -307,6 +337,10 @@ class DraftConfig(MLADims):
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
     extra: dict = field(default_factory=dict)
+    # Provenance, not identity (left out of ==, so a saved config reads back equal):
+    aux_ids_source: str = field(default="", compare=False)  # "top-level" | "eagle_config" | "default"
+    nested_aux_layer_ids: tuple[int, ...] | None = field(default=None, compare=False)  # eagle_config's, if other
+    unstated: tuple[str, ...] = field(default=(), compare=False)  # fields config.json lacks, filled by default
 
     @classmethod
     def from_hf(cls, d: dict, source: str = "config.json", num_target_layers: int | None = None) -> "DraftConfig":
@@ -325,13 +359,9 @@ class DraftConfig(MLADims):
         theta, scaling = _rope_from_hf(d, source)
         hidden = _need(d, "hidden_size", source)
         eagle = d.get("eagle_config") or {}
-        aux = eagle.get("eagle_aux_hidden_state_layer_ids", d.get("eagle_aux_hidden_state_layer_ids"))
-        if aux is None:
-            if num_target_layers is None:
-                raise ConfigError(f"{source}: field 'eagle_config.eagle_aux_hidden_state_layer_ids' is missing and no verifier layer count was given")
-            aux = [2, num_target_layers // 2, num_target_layers - 3]  # vLLM's default
-        if not isinstance(aux, (list, tuple)) or len(aux) != 3 or not all(isinstance(a, int) for a in aux):
-            raise ConfigError(f"{source}: field 'eagle_aux_hidden_state_layer_ids' = {aux!r}; expected 3 integer layer ids")
+        if not isinstance(eagle, dict):
+            raise ConfigError(f"{source}: field 'eagle_config' = {eagle!r}; expected an object")
+        aux, aux_source, nested = read_aux_ids(d, source, num_target_layers)
         vocab = _need(d, "vocab_size", source)
         heads = _need(d, "num_attention_heads", source)
         common = dict(
@@ -348,7 +378,11 @@ class DraftConfig(MLADims):
             intermediate_size=_need(d, "intermediate_size", source),
             vocab_size=vocab,
             draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
-            aux_layer_ids=tuple(aux),
+            aux_layer_ids=aux,
+            aux_ids_source=aux_source,
+            nested_aux_layer_ids=nested if nested is not None and nested != aux else None,
+            unstated=tuple(k for k in ("max_position_embeddings", "rope_theta") if d.get(k) is None
+                           and not (k == "rope_theta" and isinstance(d.get("rope_parameters"), dict))),
             use_aux_hidden_state=bool(eagle.get("use_aux_hidden_state", True)),
             norm_before_residual=bool(d.get("norm_before_residual", False)),
             norm_output=bool(d.get("norm_output", False)),
@@ -374,7 +408,7 @@ class DraftConfig(MLADims):
                 **common,
             )
         # Fields to_hf writes itself (or drops on purpose) stay out of `extra`: from_hf(to_hf(c)) == c.
-        known = set(cls.__dataclass_fields__) | {"eagle_config", "eagle_aux_hidden_state_layer_ids",
+        known = set(cls.__dataclass_fields__) | {"eagle_config", AUX_IDS_KEY,
                                                  "num_hidden_layers", "tie_word_embeddings", "n_routed_experts",
                                                  "first_k_dense_replace", "moe_layer_freq"}
         cfg.extra = {k: v for k, v in d.items() if k not in known and k not in _HF_ONLY}
@@ -408,8 +442,10 @@ class DraftConfig(MLADims):
             "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
             "tie_word_embeddings": False,
+            # Both places: vLLM reads only the top level; SGLang, lmdeploy and trainers read eagle_config.
+            AUX_IDS_KEY: list(self.aux_layer_ids),
             "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                AUX_IDS_KEY: list(self.aux_layer_ids),
                 "use_aux_hidden_state": self.use_aux_hidden_state,
             },
             "norm_before_residual": self.norm_before_residual,
@@ -437,6 +473,43 @@ class DraftConfig(MLADims):
         else:
             d.update(num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim)
         return {**self.extra, **d}
+
+
+def _aux_list(value, source: str, where: str) -> tuple[int, ...] | None:
+    """Layer ids as written at `where`; None for absent, null or [] (vLLM's `if layer_ids` skips those)."""
+    if value is None or isinstance(value, (list, tuple)) and not value:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ConfigError(f"{source}: field '{where}' = {value!r}; expected a list of integer layer ids")
+    return tuple(value)
+
+
+def read_aux_ids(d: dict, source: str = "config.json",
+                 num_target_layers: int | None = None) -> tuple[tuple[int, ...], str, tuple[int, ...] | None]:
+    """(the ids vLLM captures, where they came from, eagle_config's ids as written).
+
+    vLLM (`get_eagle3_aux_layers_from_config`, v1 worker) reads only a top-level
+    `eagle_aux_hidden_state_layer_ids`; without one (or with an empty list) it takes the
+    verifier's default (2, L // 2, L - 3), whatever `eagle_config` holds. So SpecForge/TorchSpec
+    drafts that nest [1, 29, 57] ("output of layer i") get (2, 30, 58) for a 61-layer verifier:
+    the same hidden states, in vLLM's capture-before convention. Only when the verifier's layer
+    count is not known (a config read on its own) are the nested ids taken, marked "eagle_config".
+    """
+    eagle = d.get("eagle_config") if isinstance(d.get("eagle_config"), dict) else {}
+    top = _aux_list(d.get(AUX_IDS_KEY), source, AUX_IDS_KEY)
+    nested = _aux_list(eagle.get(AUX_IDS_KEY), source, f"eagle_config.{AUX_IDS_KEY}")
+    if top is not None:
+        ids, where = top, "top-level"
+    elif num_target_layers is not None:
+        ids, where = vllm_default_aux_ids(num_target_layers), "default"
+    elif nested is not None:
+        ids, where = nested, "eagle_config"
+    else:
+        raise ConfigError(f"{source}: field '{AUX_IDS_KEY}' is missing (top level and eagle_config) and no verifier "
+                          f"layer count was given; expected 3 layer ids or the verifier's num_hidden_layers")
+    if len(ids) != 3:
+        raise ConfigError(f"{source}: field '{AUX_IDS_KEY}' = {list(ids)} ({where}); expected 3 integer layer ids")
+    return ids, where, nested
 
 
 def read_config_json(directory: str | Path) -> tuple[dict, str]:

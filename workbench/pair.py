@@ -8,13 +8,15 @@ checkpoint is never initialised randomly first nor held twice.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from workbench.cache import KVCache
-from workbench.checkpoint import SafetensorsReader, draft_name, load_state, verifier_name
+from workbench.checkpoint import (SafetensorsReader, draft_name, load_state, skipped_multimodal, text_prefix,
+                                  verifier_name)
 from workbench.config import ConfigError, DraftConfig, load_draft_config, load_verifier_config
 from workbench.fast import FastPath, apply, choose
 from workbench.kernels import resolve_backend
@@ -25,6 +27,7 @@ OFF = FastPath("off", "torch", "plain PyTorch models")
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED = ASSETS / "tiny-kimi"
+log = logging.getLogger(__name__)
 
 
 class PairingError(ValueError):
@@ -60,20 +63,33 @@ def _keep_routers_fp32(model: torch.nn.Module) -> None:
 def load_verifier(directory: str | Path, device: str | torch.device = "cpu",
                   dtype: str | torch.dtype | None = torch.float32,
                   aux_layer_ids: tuple[int, ...] | None = None) -> Verifier:
-    """A `deepseek_v3` / `kimi_k2` / `deepseek_v2` checkpoint directory as a `Verifier`."""
+    """A `deepseek_v3` / `kimi_k2` / `deepseek_v2` checkpoint directory as a `Verifier`, or the text
+    model of a Kimi-K2.5/K2.6 one (`text_config`, tensors under `language_model.`; the vision tower
+    and projector are skipped, and `model.load_notes` says how many). FP8 block-scaled and
+    compressed-tensors int4 weights are dequantised as they load."""
     device, dtype = torch.device(device), _dtype(dtype, device)
     cfg = load_verifier_config(directory)
-    reader = SafetensorsReader(directory)
+    reader = SafetensorsReader(directory, cfg.quantization, str(Path(directory) / "config.json"))
+    names = reader.keys()
+    prefix, skipped = text_prefix(names), skipped_multimodal(names)
     model = _build(lambda: Verifier(cfg, aux_layer_ids), device, dtype)
     # Routers go fp32 *before* loading (dtype=None loads each tensor at its module dtype), so an
     # fp32 e_score_correction_bias is never rounded through bf16 on the way in.
     _keep_routers_fp32(model)
     optional = ["lm_head.weight"] if cfg.tie_word_embeddings else []
-    load_state(model, reader, rename=verifier_name(cfg.num_hidden_layers), dtype=None, device=device,
+    load_state(model, reader, rename=verifier_name(cfg.num_hidden_layers, prefix), dtype=None, device=device,
                optional=optional)
-    if cfg.tie_word_embeddings and "lm_head.weight" not in reader:
+    if cfg.tie_word_embeddings and prefix + "lm_head.weight" not in reader:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.source = str(directory)
+    model.load_notes = []
+    if skipped:
+        model.load_notes.append(f"{directory}: skipped {sum(skipped.values())} tensors of no text-model part ("
+                                + ", ".join(f"{p}* x{n}" for p, n in skipped.items()) + ")")
+    if cfg.quantization:
+        model.load_notes.append(f"{directory}: dequantised {cfg.quantization.get('quant_method')} weights to {dtype}")
+    for note in model.load_notes:
+        log.info(note)
     return model.eval()
 
 
@@ -81,7 +97,9 @@ def load_draft(directory: str | Path, verifier: Verifier, device: str | torch.de
                dtype: str | torch.dtype | None = None) -> Eagle3Draft:
     """An EAGLE-3 draft (MLA or MHA) sharing the verifier's embedding/lm_head where it ships none.
 
-    Sets the verifier's aux layer ids to the draft's, so the verifier captures what the draft fuses.
+    Sets the verifier's aux layer ids to the draft's, so the verifier captures what the draft fuses:
+    the ids vLLM would capture for this config.json (`config.read_aux_ids`: a top-level
+    `eagle_aux_hidden_state_layer_ids`, else the verifier's default; never `eagle_config`'s).
     """
     draft = _read_draft(directory, verifier, device, dtype)
     verifier.aux_layer_ids = draft.config.aux_layer_ids
@@ -110,6 +128,12 @@ def _read_draft(directory: str | Path, verifier: Verifier, device: str | torch.d
                            f"differs from the verifier's vocab_size = {vcfg.vocab_size}; expected its own lm_head")
     draft.share(verifier.model.embed_tokens, verifier.lm_head)
     draft.source = str(directory)
+    draft.load_notes = []
+    if cfg.nested_aux_layer_ids is not None:
+        draft.load_notes.append(f"{directory}: eagle_config names aux ids {list(cfg.nested_aux_layer_ids)}; "
+                                f"capturing {list(cfg.aux_layer_ids)} ({cfg.aux_ids_source}), as vLLM does")
+    for note in draft.load_notes:
+        log.info(note)
     return draft.eval()
 
 

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from workbench.analysis.field_checks import field_checks
 from workbench.analysis.metrics import compute_stats
 from workbench.decoding.engine import SpecDecoder
 from workbench.models.rope import RotaryEmbedding
@@ -164,6 +165,7 @@ def static_checks(pair) -> list[Check]:
     out.append(Check("norm and sharing flags", "info",
                      f"norm_before_residual {dc.norm_before_residual}, norm_output {d.norm_output}; uses {embed} "
                      f"and {head}"))
+    out += field_checks(pair)
     return out
 
 

@@ -12,6 +12,7 @@ come from `workbench.analysis.metrics.counter_rates`, shared with our own engine
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import time
 import urllib.error
@@ -348,13 +349,22 @@ def run_offline(
 # ---- export -------------------------------------------------------------------------------
 
 VLLM_MLA_DRAFT = "Eagle3DeepseekV2ForCausalLM"
+# What the published Kimi MLA drafts write. Not deepseek_v3: vLLM's SpeculativeConfig.hf_config_override
+# rewrites that to deepseek_mtp (DeepSeekMTPModel), so the draft would not load as EAGLE-3.
+EXPORT_MODEL_TYPE = "kimi_k2"
+ROPE_FIELDS = ("rope_theta", "rope_scaling", "max_position_embeddings")
 _EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+log = logging.getLogger(__name__)
 
 
-def export_draft(pair: ModelPair, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+def export_draft(pair: ModelPair, out_dir: str | Path, dtype: str = "bfloat16", rope_from: str = "verifier") -> Path:
     """Write `pair.draft` as vLLM's `Eagle3DeepseekV2ForCausalLM` loads it (eagle3_mla.md §1-2).
 
-    config.json follows the public Kimi-K2.5 MLA draft layout. Tensors: `fc.weight`,
+    config.json follows the public Kimi-K2.5 MLA draft layout: `model_type` kimi_k2; the aux ids
+    the draft was loaded with at the top level (the only place vLLM reads them) and in
+    eagle_config (SGLang, lmdeploy, trainers); `rope_theta`, `rope_scaling` and
+    `max_position_embeddings` the verifier's (`rope_from="draft"` keeps the draft's own; a
+    difference is logged, since the export then rotates as the verifier does). Tensors: `fc.weight`,
     `layers.0.*`, `norm.weight`, `lm_head.weight` and, for a reduced draft vocabulary, `d2t`;
     no `model.` prefix. `lm_head` is always written (the verifier's, copied, when the draft
     shares it) because SGLang only takes the target's head when `draft_vocab_size` is absent,
@@ -371,16 +381,7 @@ def export_draft(pair: ModelPair, out_dir: str | Path, dtype: str = "bfloat16") 
     if draft is None:
         raise ValueError("export_draft: the pair has no draft; expected a pair loaded with an MLA draft")
     cfg = draft.config
-    if cfg.attention != "mla":
-        raise ValueError(
-            f"{where}: the draft is {cfg.architecture} ({cfg.attention.upper()} attention); vLLM's "
-            f"{VLLM_MLA_DRAFT} builds an MLA layer (q_a/kv_a/kv_b projections) and cannot load it; "
-            f"expected an MLA draft")
-    if not cfg.use_aux_hidden_state:
-        raise ValueError(f"{where}: eagle_config.use_aux_hidden_state is false (no fc); expected an EAGLE-3 "
-                         f"draft that fuses three verifier states, which is what {VLLM_MLA_DRAFT} builds")
-    if dtype not in _EXPORT_DTYPES:
-        raise ValueError(f"export_draft: dtype = {dtype!r}; expected one of {', '.join(_EXPORT_DTYPES)}")
+    _check_exportable(cfg, dtype, rope_from, where)
     torch_dtype = getattr(torch, dtype)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -403,23 +404,64 @@ def export_draft(pair: ModelPair, out_dir: str | Path, dtype: str = "bfloat16") 
         raise ValueError(f"{where}: lm_head has shape {head}; expected "
                          f"({cfg.draft_vocab_size}, {cfg.hidden_size}) = (draft_vocab_size, hidden_size)")
 
-    config = cfg.to_hf()
-    config.update(
-        architectures=[VLLM_MLA_DRAFT],
-        model_type=cfg.model_type if cfg.model_type in ("kimi_k2", "deepseek_v3", "deepseek_v2") else "deepseek_v3",
-        num_hidden_layers=1,
-        draft_vocab_size=cfg.draft_vocab_size,
-        tie_word_embeddings=False,
-        torch_dtype=dtype,
-        eagle_config={"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
-    )
-    config.pop("n_routed_experts", None)  # the draft layer is dense; transformers 5 refuses a null here
-    if cfg.rope_scaling:
-        # rope_theta inside too: vLLM's draft layer copies rope_scaling into rope_parameters, and newer
-        # vLLM reads the base from there (eagle3_mla.md §4, "verify" note).
-        config["rope_scaling"] = dict(cfg.rope_scaling, rope_type="yarn", rope_theta=cfg.rope_theta)
+    config = export_config(cfg, pair.verifier.config, dtype, rope_from, where)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_state(tensors, out)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def export_config(cfg, verifier_cfg, dtype: str = "bfloat16", rope_from: str = "verifier",
+                  where: str = "draft") -> dict:
+    """The config.json `export_draft` writes for an MLA draft config `cfg` of `verifier_cfg`."""
+    _check_exportable(cfg, dtype, rope_from, where)
+    config = cfg.to_hf()
+    ids = list(cfg.aux_layer_ids)
+    config.update(
+        architectures=[VLLM_MLA_DRAFT],
+        model_type=EXPORT_MODEL_TYPE,
+        num_hidden_layers=1,
+        draft_vocab_size=cfg.draft_vocab_size,
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+        eagle_aux_hidden_state_layer_ids=ids,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+    )
+    config.pop("n_routed_experts", None)  # the draft layer is dense; transformers 5 refuses a null here
+    rope = _export_rope(cfg, verifier_cfg, rope_from, where)
+    config.update(rope_theta=rope["rope_theta"], max_position_embeddings=rope["max_position_embeddings"],
+                  rope_scaling=None)
+    if rope["rope_scaling"]:
+        # rope_theta inside too: vLLM's draft layer copies rope_scaling into rope_parameters, and newer
+        # vLLM reads the base from there (eagle3_mla.md §4, "verify" note).
+        config["rope_scaling"] = dict(rope["rope_scaling"], rope_type="yarn", rope_theta=rope["rope_theta"])
+    return config
+
+
+def _check_exportable(cfg, dtype: str, rope_from: str, where: str) -> None:
+    if cfg.attention != "mla":
+        raise ValueError(
+            f"{where}: the draft is {cfg.architecture} ({cfg.attention.upper()} attention); vLLM's "
+            f"{VLLM_MLA_DRAFT} builds an MLA layer (q_a/kv_a/kv_b projections) and cannot load it; "
+            f"expected an MLA draft")
+    if not cfg.use_aux_hidden_state:
+        raise ValueError(f"{where}: eagle_config.use_aux_hidden_state is false (no fc); expected an EAGLE-3 "
+                         f"draft that fuses three verifier states, which is what {VLLM_MLA_DRAFT} builds")
+    if dtype not in _EXPORT_DTYPES:
+        raise ValueError(f"export_draft: dtype = {dtype!r}; expected one of {', '.join(_EXPORT_DTYPES)}")
+    if rope_from not in ("verifier", "draft"):
+        raise ValueError(f"export_draft: rope_from = {rope_from!r}; expected 'verifier' or 'draft'")
+
+
+def _export_rope(draft_cfg, verifier_cfg, rope_from: str, where: str) -> dict:
+    """The rope fields to export: the verifier's (logging any the draft had otherwise) or the draft's."""
+    own = {f: getattr(draft_cfg, f) for f in ROPE_FIELDS}
+    if rope_from == "draft":
+        return own
+    theirs = {f: getattr(verifier_cfg, f) for f in ROPE_FIELDS}
+    changed = [f"{f} {own[f]!r} -> {theirs[f]!r}" for f in ROPE_FIELDS if own[f] != theirs[f]]
+    if changed:
+        log.warning("%s: exported with the verifier's %s (rope_from='draft' keeps the draft's)", where,
+                    "; ".join(changed))
+    return theirs

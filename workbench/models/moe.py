@@ -28,10 +28,26 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
+    """DeepSeek routing as `topk_method` and `scoring_func` say (V2: greedy / group_limited_greedy,
+    V3: noaux_tc), to (weights, expert ids) per token, in fp32.
+
+    - greedy: the top_k scores. group_limited_greedy: only the topk_group groups whose *best*
+      score is highest stay. noaux_tc: scores + `e_score_correction_bias` choose, the groups
+      ranked by the sum of their two best biased scores; the weights stay the unbiased scores.
+    - V2 (greedy, group_limited_greedy), as DeepSeek-V2's own modeling code: weights are
+      renormalised when `norm_topk_prob`, *else* times `routed_scaling_factor`. V3 (noaux_tc):
+      renormalised when `norm_topk_prob`, *then* times it. (transformers' DeepseekV2 never
+      renormalises and vLLM scales after renormalising; all agree whenever norm_topk_prob is
+      false, as in every published V2 config.)
+    Dropped groups are -inf, so they are never chosen.
+    """
+
     def __init__(self, cfg: VerifierConfig) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+        bias = torch.zeros(cfg.n_routed_experts) if cfg.topk_method == "noaux_tc" else None
+        self.register_buffer("e_score_correction_bias", bias)  # None: V2 checkpoints carry none
+        self.topk_method, self.scoring_func = cfg.topk_method, cfg.scoring_func
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.sigmoid = cfg.scoring_func == "sigmoid"
@@ -40,10 +56,14 @@ class Router(nn.Module):
         """x [N, H] -> (weights [N, top_k] fp32, expert ids [N, top_k])."""
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(-1)
-        choice = scores + self.e_score_correction_bias.float()
-        if self.n_group > 1:
+        bias = self.e_score_correction_bias
+        choice = scores if bias is None else scores + bias.float()
+        if self.n_group > 1 and self.topk_method != "greedy":
             grouped = choice.view(x.shape[0], self.n_group, -1)
-            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)
+            if self.topk_method == "noaux_tc":
+                group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1)
+            else:
+                group_scores = grouped.amax(dim=-1)
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False)[1], True)
             choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
@@ -51,9 +71,12 @@ class Router(nn.Module):
         if self.training:  # tokens per expert, for the auxiliary-loss-free bias update
             self.last_load = torch.bincount(ids.flatten(), minlength=self.weight.shape[0]).float()
         weights = scores.gather(1, ids)
-        if self.norm_topk_prob and self.top_k > 1:
+        renorm = self.norm_topk_prob and self.top_k > 1
+        if renorm:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        if self.topk_method == "noaux_tc" or not renorm:
+            weights = weights * self.scaling
+        return weights, ids
 
 
 class MoE(nn.Module):

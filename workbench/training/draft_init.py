@@ -24,7 +24,7 @@ def draft_config_for(verifier: VerifierConfig, attention: str = "mla", intermedi
         return DraftConfig(
             q_lora_rank=v.q_lora_rank, kv_lora_rank=v.kv_lora_rank, qk_nope_head_dim=v.qk_nope_head_dim,
             qk_rope_head_dim=v.qk_rope_head_dim, v_head_dim=v.v_head_dim, rope_interleave=v.rope_interleave,
-            attention="mla", architecture="Eagle3DeepseekV2ForCausalLM", model_type=v.model_type, **common)
+            attention="mla", architecture="Eagle3DeepseekV2ForCausalLM", model_type="kimi_k2", **common)
     if attention == "mha":
         head_dim = v.hidden_size // v.num_attention_heads
         return DraftConfig(
