@@ -36,7 +36,6 @@ from workbench.models.norm import RMSNorm
 from workbench.models.rope import RotaryEmbedding
 from workbench.variants import copy_modules, shallow_copy
 
-KERNEL_ROUTING = ("noaux_tc", "greedy")  # what wb_moe_route computes (group-limited top-2 sums, or plain top-k)
 
 
 class StaleWeightsError(RuntimeError):
@@ -207,6 +206,15 @@ class KernelMLP(MLP):
         return super().forward(x)
 
 
+def kernel_routes(router) -> bool:
+    """Whether `wb_moe_route` computes this router: V3's noaux_tc (groups ranked by their two best
+    biased scores, renormalised then scaled), or V2's greedy over one group, scaled, not renormalised."""
+    if router.topk_method == "noaux_tc":
+        return True
+    return (router.topk_method == "greedy" and router.n_group <= 1
+            and not (router.norm_topk_prob and router.top_k > 1))
+
+
 class KernelMoE(MoE):
     """Every routed expert on every token, unchosen ones weighted by exact zeros: at most 4x the
     arithmetic (few experts, each token using a quarter of them or more), in two projections."""
@@ -215,8 +223,7 @@ class KernelMoE(MoE):
     def of(cls, m: MoE) -> "KernelMoE | None":
         g = m.gate
         dtype = m.experts[0].down_proj.weight.dtype
-        if (len(m.experts) > 4 * g.top_k or getattr(g, "topk_method", "noaux_tc") not in KERNEL_ROUTING
-                or dtype not in (torch.float32, torch.bfloat16)):
+        if len(m.experts) > 4 * g.top_k or not kernel_routes(g) or dtype not in (torch.float32, torch.bfloat16):
             return None
         new = _twin(m, cls)
         mlps = [*m.experts, *([m.shared_experts] if m.shared_experts is not None else [])]
