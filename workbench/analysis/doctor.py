@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from workbench.analysis.field_checks import field_checks
+from workbench.analysis.field_checks import aux_id_readings, field_checks
 from workbench.analysis.metrics import compute_stats
 from workbench.decoding.engine import SpecDecoder
 from workbench.models.rope import RotaryEmbedding
@@ -215,15 +215,22 @@ def alternatives(pair) -> list[Alternative]:
     v, d = pair.plain
     n = v.config.num_hidden_layers
     ids = tuple(v.aux_layer_ids)
-    out = []
+    capture = lambda m: (lambda: pair.variant(verifier={"aux_layer_ids": m}))  # noqa: E731
+    # the other readings of the draft's config (eagle_config's ids as written, or as "output of layer i")
+    readings = {} if d.config.nested_aux_layer_ids is None else {
+        r: m for r, m in aux_id_readings(d.config, v.config).items() if r != "vllm" and m != ids}
+    out = [Alternative(f"{r} reading {list(m)}", f"capture the layers a reading of the config's {r.split('+')[0]} "
+                       f"ids names ({'as output of layer i' if r.endswith('+1') else 'as written'}), not vLLM's",
+                       capture(m)) for r, m in readings.items()]
     for shift in (-1, +1):
         moved = tuple(i + shift for i in ids)
+        if moved in readings.values():
+            continue  # already a reading above
         bad = [i for i in moved if not 0 <= i < n]
         out.append(Alternative(
             f"aux ids {shift:+d} {list(moved)}",
             f"capture layers shifted by {shift} (the 'input of' vs 'output of' layer k off-by-one)",
-            None if bad else (lambda m=moved: pair.variant(verifier={"aux_layer_ids": m})),
-            f"{bad} outside the verifier's layers [0, {n - 1}]" if bad else None))
+            None if bad else capture(moved), f"{bad} outside the verifier's layers [0, {n - 1}]" if bad else None))
     ropes = {f"{name}.interleave": not m.interleave for name, m in d.named_modules() if isinstance(m, RotaryEmbedding)}
     current = "interleaved" if ropes and not next(iter(ropes.values())) else "half-split"
     other = "half-split" if current == "interleaved" else "interleaved"
