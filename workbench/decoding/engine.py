@@ -17,6 +17,7 @@ from workbench.decoding.events import GenerationResult, StepEvent
 from workbench.decoding.fused import FusedGreedyStep
 from workbench.decoding.healing import Healing, first_piece, heal
 from workbench.decoding.proposers import EagleProposer, NgramProposer, Proposer
+from workbench.decoding.logits import Context, bad_word_sequences
 from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingError, SamplingParams, acceptor_for,
                                          check_finite, next_token, shown_prob)
 from workbench.decoding.step import ProposeVerifyAccept, Step
@@ -118,18 +119,20 @@ class SpecDecoder:
 
     def __init__(self, pair, num_speculative_tokens: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, proposer: str | Proposer = "eagle",
-                 acceptor: Acceptor | None = None, attention: str = "auto", draft_sampling: str = "greedy",
-                 fused: bool | None = None) -> None:
+                 acceptor: Acceptor | str | None = None, attention: str = "auto", draft_sampling: str = "greedy",
+                 fused: bool | None = None, **constraints) -> None:
+        """`constraints`: vLLM's repetition_penalty, frequency_penalty, presence_penalty,
+        allowed_token_ids, banned_token_ids and bad_words (strings), as `sampling_params` takes them."""
         k = num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
             raise RequestError(f"num_speculative_tokens = {k!r}; expected an integer in [1, {MAX_K}]")
         self.pair = pair = pair.with_attention(attention)
         self.k = k
-        self.params = SamplingParams(temperature, top_p, top_k)
+        self.params = sampling_params(pair, temperature, top_p, top_k, **constraints)
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         self.attention = pair.attention
-        self.acceptor = acceptor or acceptor_for(self.params)
+        self.acceptor = acceptor if not isinstance(acceptor, (str, type(None))) else acceptor_for(self.params, acceptor)
         if proposer == "eagle":
             if pair.draft is None:
                 raise RequestError("proposer 'eagle' needs a draft; this pair has none (use proposer='ngram')")
@@ -147,19 +150,28 @@ class SpecDecoder:
         if fused not in (None, True, False):
             raise RequestError(f"fused = {fused!r}; expected None (where it applies), True or False")
         fits = (isinstance(self.proposer, EagleProposer) and self.proposer.greedy and self.params.greedy
-                and isinstance(self.acceptor, GreedyAcceptor) and self.attention == "torch")
+                and self.params.plain and isinstance(self.acceptor, GreedyAcceptor) and self.attention == "torch")
         if fused and not fits:
             raise RequestError("fused = True needs greedy decoding with the pair's EAGLE draft, the greedy "
-                               "acceptor and attention 'torch'")
+                               "acceptor, no penalty or token constraint, and attention 'torch'")
         if fused is False or not fits or (fused is None and not self.pair.compiled):
             return None
         return FusedGreedyStep(self.pair.verifier, self.pair.draft, self.k, self.pair.compiled)
+
+    @property
+    def acceptance_rule(self) -> str:
+        """Which rule judges the proposals, and what q it sees (vLLM's docs tell these apart)."""
+        name = getattr(self.acceptor, "name", type(self.acceptor).__name__)
+        if isinstance(self.acceptor, GreedyAcceptor):
+            return name
+        sampled = isinstance(self.proposer, EagleProposer) and not self.proposer.greedy
+        return f"{name} ({'sampled draft, its real q' if sampled else 'greedy draft, one-hot q'})"
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
                  max_len: int | None = None, heal: bool = False) -> GenerationResult:
         t0 = time.perf_counter()
         events = list(self.stream(prompt, max_new_tokens, stop, max_len, heal))
-        return _result(events, self._emitter, time.perf_counter() - t0, self.k)
+        return _result(events, self._emitter, time.perf_counter() - t0, self.k, self.acceptance_rule)
 
     def cache_rows(self, prompt_len: int, max_new_tokens: int, context: int) -> int:
         """The verifier cache's rows for a request: room for a last step's k+1 tokens past the
@@ -188,12 +200,12 @@ class SpecDecoder:
         out = pair.verifier(torch.tensor([req.prompt_ids], device=pair.device), cache, logits_to_keep=1)
         logits = req.first_logits(out.logits[0, -1])
         check_finite(logits, "verifier logits at the prompt's last position")
-        first = next_token(logits, self.params, self.generator)
+        first = next_token(logits, self.params, self.generator, Context(req.prompt_ids))
         piece = em.add(first)
         verified = req.prompt_ids + [first]
         self.step.begin(verified, out, cache)
         yield StepEvent(step=0, kind="prefill", emitted=[first], emitted_text=[piece], emitted_status=["bonus"],
-                        emitted_verifier_probs=[shown_prob(logits, self.params, first)],
+                        emitted_verifier_probs=[shown_prob(logits, self.params, first, Context(req.prompt_ids))],
                         position=len(req.prompt_ids), verify_time=time.perf_counter() - t, finish_reason=em.finish)
         step = 0
         while em.finish is None:
@@ -221,21 +233,35 @@ class SpecDecoder:
                 draft_time=o.draft_time, verify_time=o.verify_time, finish_reason=em.finish)
 
 
-def _result(events: list[StepEvent], em: _Emitter, elapsed: float, k: int) -> GenerationResult:
+def _result(events: list[StepEvent], em: _Emitter, elapsed: float, k: int,
+            rule: str = "none (autoregressive)") -> GenerationResult:
     from workbench.analysis.metrics import compute_stats
 
     stats = compute_stats(events, elapsed=elapsed, num_tokens=len(em.tokens))
     return GenerationResult(list(em.tokens), em.final_text(), events, stats, em.req.prompt_ids,
-                            em.finish or "length", k)
+                            em.finish or "length", k, rule)
+
+
+def sampling_params(pair, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    repetition_penalty: float = 1.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                    allowed_token_ids=None, banned_token_ids=(), bad_words=()) -> SamplingParams:
+    """`SamplingParams` as vLLM's request fields give them, bad words as strings (tokenized with the
+    pair's tokenizer), every token id checked against the verifier's vocabulary."""
+    params = SamplingParams(temperature, top_p, top_k, repetition_penalty, frequency_penalty, presence_penalty,
+                            allowed_token_ids, tuple(banned_token_ids or ()),
+                            bad_word_sequences(pair.tokenizer, bad_words) if bad_words else ())
+    params.check_vocab(pair.verifier.config.vocab_size)
+    return params
 
 
 @torch.inference_mode()
 def generate_autoregressive(pair, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                             top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop: str | list[str] | None = None,
-                            attention: str = "auto", max_len: int | None = None, heal: bool = False) -> GenerationResult:
-    """Plain decoding with the same verifier, cache and sampling: one token per forward (`heal` as
-    in `SpecDecoder.stream`)."""
-    params = SamplingParams(temperature, top_p, top_k)
+                            attention: str = "auto", max_len: int | None = None, heal: bool = False,
+                            **constraints) -> GenerationResult:
+    """Plain decoding with the same verifier, cache and sampling: one token per forward (`heal` and
+    the penalties and token constraints as in `SpecDecoder`)."""
+    params = sampling_params(pair, temperature, top_p, top_k, **constraints)
     req = _validate_common(pair, prompt, max_new_tokens, stop, max_len, heal)
     pair = pair.with_attention(attention)
     gen = torch.Generator().manual_seed(seed)
@@ -250,14 +276,15 @@ def generate_autoregressive(pair, prompt: str | list[int], max_new_tokens: int =
         if not events:
             logits = req.first_logits(logits)
         check_finite(logits, f"verifier logits at position {cache.length - 1}")
-        tok = next_token(logits, params, gen)
+        context = Context(req.prompt_ids, list(em.tokens))
+        tok = next_token(logits, params, gen, context)
+        shown = shown_prob(logits, params, tok, context)
         piece = em.add(tok)
         events.append(StepEvent(step=len(events), kind="prefill" if not events else "decode", emitted=[tok],
-                                emitted_text=[piece], emitted_status=["bonus"],
-                                emitted_verifier_probs=[shown_prob(logits, params, tok)],
+                                emitted_text=[piece], emitted_status=["bonus"], emitted_verifier_probs=[shown],
                                 position=cache.length, verify_time=time.perf_counter() - t, finish_reason=em.finish))
         x = torch.tensor([[tok]], device=pair.device)
     return _result(events, em, time.perf_counter() - t_start, 0)
 
 
-__all__ = ["SpecDecoder", "generate_autoregressive", "RequestError", "SamplingError", "MAX_K"]
+__all__ = ["SpecDecoder", "generate_autoregressive", "sampling_params", "RequestError", "SamplingError", "MAX_K"]

@@ -82,6 +82,7 @@ class GenerationResult:
     prompt_tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"
     k: int = 0  # 0 for the autoregressive baseline
+    acceptance_rule: str = "none (autoregressive)"  # which rule judged the proposals (SpecDecoder.acceptance_rule)
 
     def to_dict(self) -> dict:
         return {
@@ -90,6 +91,7 @@ class GenerationResult:
             "prompt_tokens": self.prompt_tokens,
             "finish_reason": self.finish_reason,
             "k": self.k,
+            "acceptance_rule": self.acceptance_rule,
             "steps": [e.to_dict() for e in self.events],
             "stats": self.stats.to_dict(),
             "accept_length": self.stats.accept_length,

@@ -1,45 +1,29 @@
 """Turning logits into tokens, and deciding which draft proposals the verifier keeps.
 
-Both acceptors are lossless: the emitted tokens are distributed exactly as plain decoding
-with the same sampling settings would emit them (Leviathan et al. 2211.17192).
-- Greedy: accept while the proposal is the verifier's argmax; at the first mismatch emit
-  the argmax (a correction); if all k match, emit the argmax after them (a bonus).
-- Rejection sampling: accept proposal x with probability min(1, p(x)/q(x)); on rejection
-  emit a sample of normalise(max(0, p - q)); if all k are accepted, sample a bonus from p.
-  With greedy proposals q is one-hot at x (vLLM's EAGLE default), so acceptance is p(x)
-  and the residual is p without x's mass.
-p has temperature, top-k and top-p applied exactly as plain decoding applies them.
+Every acceptor is lossless: the emitted tokens are distributed exactly as plain decoding with the
+same settings would emit them. p is the verifier's distribution at each position after
+`workbench.decoding.logits` (constraints, penalties with the tokens before that position,
+temperature, top-k, top-p), q the draft's.
+- Greedy: accept while the proposal is the verifier's argmax; at the first mismatch emit the
+  argmax (a correction); if all k match, emit the argmax after them (a bonus).
+- Rejection sampling (Leviathan et al. 2211.17192): accept proposal x with probability
+  min(1, p(x)/q(x)); on rejection emit a sample of normalise(max(0, p - q)); if all k are
+  accepted, sample a bonus from p. With greedy proposals q is one-hot at x (vLLM's EAGLE
+  default), so acceptance is p(x) and the residual is p without x's mass.
+- Block verification (Sun et al. 2403.10444): the block's prefixes are judged jointly, so a later
+  position can keep a prefix whose last token alone would have been rejected (`BlockAcceptor`).
+Randomness comes from a `Draws` (a generator's, or uniforms a test injects).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-
-
-class SamplingError(ValueError):
-    """Bad sampling settings or unusable logits."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise SamplingError(f"temperature = {self.temperature!r}; expected a number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise SamplingError(f"top_p = {self.top_p!r}; expected a number in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingError(f"top_k = {self.top_k!r}; expected an integer >= 0 (0 turns it off)")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from workbench.decoding.logits import (Context, SamplingError, SamplingParams, adjust, adjust_rows,  # noqa: F401
+                                       probs_from_logits)
 
 
 def check_finite(logits: torch.Tensor, where: str) -> None:
@@ -55,41 +39,67 @@ def nonfinite_error(where: str) -> SamplingError:
                          "inputs are broken (a corrupt checkpoint, or an overflow in this dtype)")
 
 
-def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """fp32 probabilities [..., V] after temperature, top-k and top-p (greedy: one-hot argmax)."""
-    logits = logits.float()
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p  # keep the smallest set reaching top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+class Draws(Protocol):
+    """Where an acceptor's and a sampler's randomness comes from."""
+
+    def uniform(self) -> float: ...  # U[0, 1)
+
+    def sample(self, probs: torch.Tensor) -> int: ...  # a token from a 1-D distribution
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+class GeneratorDraws:
+    """A torch.Generator's draws (what every seeded run uses)."""
+
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator = generator
+
+    def uniform(self) -> float:
+        return torch.rand((), generator=self.generator, dtype=torch.float64).item()
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+
+class FixedDraws:
+    """Given uniforms, used in order: a sample is the inverse CDF at the next one, so a test can
+    compute every accept and every recovered token directly (vLLM's tests share noise the same way)."""
+
+    def __init__(self, uniforms: Iterable[float]) -> None:
+        self.uniforms = iter(uniforms)
+        self.used = 0
+
+    def uniform(self) -> float:
+        self.used += 1
+        return float(next(self.uniforms))
+
+    def sample(self, probs: torch.Tensor) -> int:
+        cdf = probs.double().cumsum(0)
+        return int(torch.searchsorted(cdf, self.uniform() * cdf[-1], right=True).clamp(max=probs.shape[0] - 1))
+
+
+def as_draws(source) -> Draws:
+    """A Draws from a torch.Generator (or None), or the Draws itself."""
+    return source if hasattr(source, "uniform") and hasattr(source, "sample") else GeneratorDraws(source)
+
+
+def sample(probs: torch.Tensor, generator) -> int:
     """One token from a 1-D probability vector (argmax when it is one-hot)."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return as_draws(generator).sample(probs)
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Plain decoding's token from 1-D logits: the argmax when greedy (what sampling the one-hot
-    `probs_from_logits` gives, without a multinomial over the vocabulary), else a sample."""
+def next_token(logits: torch.Tensor, params: SamplingParams, generator, context: Context | None = None) -> int:
+    """Plain decoding's token from 1-D logits after `adjust` with the tokens before it: the argmax
+    when greedy (what sampling the one-hot `probs_from_logits` gives), else a sample."""
+    logits = adjust(logits, params, context)
     if params.greedy:  # over fp32, exact for bf16 logits, and ATen's argmax runs ~2x faster on it
         return int(logits.float().argmax())
     return sample(probs_from_logits(logits, params), generator)
 
 
-def shown_prob(logits: torch.Tensor, params: SamplingParams, token: int) -> float:
+def shown_prob(logits: torch.Tensor, params: SamplingParams, token: int, context: Context | None = None) -> float:
     """The verifier's probability of `token` from 1-D logits, as events show it: the softmax when
     greedy, else the processed distribution (temperature, top-k, top-p)."""
+    logits = adjust(logits, params, context)
     if params.greedy:
         logits = logits.float()
         return float((logits[token] - logits.logsumexp(-1)).exp())
@@ -108,7 +118,16 @@ class Acceptor(Protocol):
     name: str
 
     def verify(self, proposals: list[int], draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-               params: SamplingParams, generator: torch.Generator | None) -> Verdict: ...
+               params: SamplingParams, generator, context: Context | None = None) -> Verdict:
+        """Judge `proposals` against the verifier's logits [k+1, V] (`draft_probs` [k, V] the draft's q,
+        None for greedy proposals: one-hot); `generator` a torch.Generator or a `Draws`; `context`
+        the tokens before the first proposal."""
+
+
+def check_proposals(proposals: list[int], vocab: int) -> None:
+    bad = [t for t in proposals if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise SamplingError(f"proposal ids {bad}: out of the vocabulary; expected ids in [0, {vocab - 1}]")
 
 
 class GreedyAcceptor:
@@ -116,9 +135,10 @@ class GreedyAcceptor:
 
     name = "greedy"
 
-    def verify(self, proposals, draft_probs, target_logits, params, generator) -> Verdict:
+    def verify(self, proposals, draft_probs, target_logits, params, generator, context=None) -> Verdict:
         k = len(proposals)
-        logits = target_logits.float()  # exact for bf16; ATen's argmax is ~2x faster over fp32
+        check_proposals(proposals, target_logits.shape[-1])
+        logits = adjust_rows(target_logits, params, context, proposals).float()  # fp32: exact for bf16
         argmax = logits.argmax(-1)  # [k+1]
         if params.greedy:  # the softmax of each proposal and of each argmax, from one log-sum-exp per row
             lse = logits.logsumexp(-1)
@@ -137,18 +157,31 @@ class GreedyAcceptor:
         return Verdict(a, argmax[a], p, p_top[a])
 
 
+def _target(target_logits, params, context, proposals) -> torch.Tensor:
+    check_proposals(proposals, target_logits.shape[-1])
+    return probs_from_logits(adjust_rows(target_logits, params, context, proposals), params)  # [k+1, V]
+
+
+def _draft_rows(draft_probs: torch.Tensor | None, proposals: list[int], vocab: int) -> torch.Tensor:
+    """q [k, V]: the draft's distributions, or one-hot at each greedy proposal."""
+    if draft_probs is not None:
+        return draft_probs.float()
+    return torch.nn.functional.one_hot(torch.tensor(proposals, dtype=torch.long), vocab).float().reshape(-1, vocab)
+
+
 class RejectionAcceptor:
-    """min(1, p/q) acceptance with residual resampling (temperature > 0)."""
+    """min(1, p/q) acceptance with residual resampling, token by token (temperature > 0)."""
 
     name = "rejection"
 
-    def verify(self, proposals, draft_probs, target_logits, params, generator) -> Verdict:
-        p_all = probs_from_logits(target_logits, params)  # [k+1, V]
+    def verify(self, proposals, draft_probs, target_logits, params, generator, context=None) -> Verdict:
+        draws = as_draws(generator)
+        p_all = _target(target_logits, params, context, proposals)
         k = len(proposals)
         p = [float(p_all[i, t]) for i, t in enumerate(proposals)]
         for i, x in enumerate(proposals):
             q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
-            u = torch.rand((), generator=generator, dtype=torch.float64).item()
+            u = draws.uniform()
             if q_x > 0 and p[i] / q_x >= u and p[i] > 0:
                 continue
             if draft_probs is None:
@@ -159,11 +192,78 @@ class RejectionAcceptor:
             total = residual.sum()
             # p <= q everywhere means p == q: any rejection is then impossible in exact arithmetic.
             residual = residual / total if total > 0 else p_all[i]
-            t = sample(residual, generator)
+            t = draws.sample(residual)
             return Verdict(i, t, p, float(p_all[i, t]))
-        t = sample(p_all[k], generator)
+        t = draws.sample(p_all[k])
         return Verdict(k, t, p, float(p_all[k, t]))
 
 
-def acceptor_for(params: SamplingParams) -> Acceptor:
-    return GreedyAcceptor() if params.greedy else RejectionAcceptor()
+@dataclass
+class BlockOutcome:
+    accepted: torch.Tensor  # [N] the tokens kept of each block
+    next_token: torch.Tensor  # [N] the correction (or the bonus after a whole block)
+    tests: torch.Tensor  # [N, k] h_i, each position's pass probability
+
+
+def block_verify(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, eta: torch.Tensor, u: torch.Tensor) -> BlockOutcome:
+    """Block verification (Sun et al. 2403.10444, as vLLM #46781 implements it) of N blocks at once:
+    p [N, k+1, V] the verifier's distributions, q [N, k, V] the draft's, x [N, k] the proposals,
+    eta [N, k] the tests' uniforms and u [N] the next token's.
+
+    With prefix weights w_0 = 1, w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i)) and residual masses
+    Z_i = sum_v max(w_i p_{i+1}(v) - q_{i+1}(v), 0) (q_{k+1} = 0), position i passes when
+    eta_i <= h_i = Z_i / (Z_i + 1 - w_i). The longest prefix that passes is kept, failed tests
+    before it included, and the next token is the inverse CDF at u of max(w_a p_{a+1} - q_{a+1}, 0)
+    (of p_{k+1} after the whole block).
+    """
+    N, k, V = q.shape
+    p_x = p[:, :k].gather(2, x[..., None])[..., 0]
+    q_x = q.gather(2, x[..., None])[..., 0]
+    ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(torch.finfo(q.dtype).tiny), 0.0)
+    weights = [torch.ones(N, dtype=p.dtype)]
+    for i in range(k):  # a running product, clipped at 1
+        weights.append((weights[-1] * ratio[:, i]).clamp(max=1.0))
+    w = torch.stack(weights, 1)  # [N, k+1], w_0 = 1
+    q_full = torch.cat([q, torch.zeros(N, 1, V, dtype=q.dtype)], 1)  # q_{k+1} = 0
+    z = (w[:, 1:, None] * p[:, 1:] - q_full[:, 1:]).clamp_min(0).sum(-1)
+    denom = z + 1 - w[:, 1:]
+    h = torch.where(denom > 0, z / denom.clamp_min(torch.finfo(p.dtype).tiny), 1.0)
+    accepted = ((eta <= h) * torch.arange(1, k + 1)).amax(1)  # 0 when no test passes
+    rows = torch.arange(N)
+    p_a, q_a, w_a = p[rows, accepted], q_full[rows, accepted], w[rows, accepted][:, None]
+    residual = torch.where((accepted == k)[:, None], p_a, (w_a * p_a - q_a).clamp_min(0))
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(torch.finfo(p.dtype).tiny), p_a)
+    cdf = residual.double().cumsum(-1)
+    nxt = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=V - 1)
+    return BlockOutcome(accepted, nxt, h)
+
+
+class BlockAcceptor:
+    """Block verification (`block_verify`): a later position can keep a prefix whose last token
+    alone would have been rejected, so it accepts at least as much as token-by-token rejection."""
+
+    name = "block"
+
+    def verify(self, proposals, draft_probs, target_logits, params, generator, context=None) -> Verdict:
+        draws = as_draws(generator)
+        p_all = _target(target_logits, params, context, proposals)
+        k, vocab = len(proposals), p_all.shape[-1]
+        eta = torch.tensor([[draws.uniform() for _ in range(k)]], dtype=torch.float64)
+        u = torch.tensor([draws.uniform()], dtype=torch.float64)
+        x = torch.tensor([proposals], dtype=torch.long).reshape(1, k)
+        out = block_verify(p_all[None].double(), _draft_rows(draft_probs, proposals, vocab)[None].double(), x, eta, u)
+        a, t = int(out.accepted[0]), int(out.next_token[0])
+        return Verdict(a, t, [float(p_all[i, x]) for i, x in enumerate(proposals)], float(p_all[a, t]))
+
+
+ACCEPTORS = {"greedy": GreedyAcceptor, "rejection": RejectionAcceptor, "block": BlockAcceptor}
+
+
+def acceptor_for(params: SamplingParams, name: str | None = None) -> Acceptor:
+    """The acceptor called `name`; without one, greedy at temperature 0 and rejection sampling otherwise."""
+    if name is None:
+        return GreedyAcceptor() if params.greedy else RejectionAcceptor()
+    if name not in ACCEPTORS:
+        raise SamplingError(f"acceptor = {name!r}; expected one of {', '.join(ACCEPTORS)}")
+    return ACCEPTORS[name]()

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from workbench.cache import KVCache
+from workbench.decoding.logits import Context
 from workbench.decoding.sampling import Acceptor, SamplingParams, Verdict, check_finite
 
 
@@ -57,6 +58,7 @@ class ProposeVerifyAccept:
     def begin(self, verified: list[int], prefill, cache: KVCache) -> None:
         self.proposer.reset(cache.max_len + self.k)  # a chain's provisional rows may pass the context
         self.aux = prefill.aux_hidden_states
+        self.prompt_len = len(verified) - 1  # the penalties tell the prompt from the output
         self.steps = 0
 
     def step(self, verified: list[int], k: int, cache: KVCache) -> StepOutcome:
@@ -70,7 +72,8 @@ class ProposeVerifyAccept:
         out = self.verifier(torch.tensor([[verified[-1]] + proposals], device=cache.rows.device), cache)
         check_finite(out.logits, f"verifier logits at step {self.steps}")
         dq = prop.draft_probs[:k] if prop.draft_probs is not None else None
-        verdict = self.acceptor.verify(proposals, dq, out.logits[0], self.params, self.generator)
+        context = Context(verified[:self.prompt_len], verified[self.prompt_len:])
+        verdict = self.acceptor.verify(proposals, dq, out.logits[0], self.params, self.generator, context)
         cache.truncate(start + 1 + verdict.num_accepted)
         self.aux = tuple(h[:, : verdict.num_accepted + 1] for h in out.aux_hidden_states)
         return StepOutcome(proposals, prop.token_probs[:k], verdict, t_draft, time.perf_counter() - t)
