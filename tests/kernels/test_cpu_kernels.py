@@ -26,6 +26,7 @@ from workbench.models.rope import RotaryEmbedding
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels: {cpu.status()}")
 DTYPES = (torch.float32, torch.bfloat16)
 REPO = Path(__file__).resolve().parents[2]
+NATIVE_ISA = cpu._lib().wb_isa() if cpu.available() else 0  # 1 AVX2+FMA, 2 AVX-512, 3 AVX-512 + AVX512-BF16
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -57,21 +58,102 @@ def test_linear_handles_an_odd_width_in_bf16_and_refuses_a_dtype_mismatch():
         cpu.PackedLinear(W)(x.float())
 
 
-def test_the_bf16_fallback_without_avx512_bf16_instructions_agrees(tmp_path):
-    """CPUs with AVX-512 but no AVX512-BF16 build the same source without `vdpbf16ps`: pairs of
-    products as two fmas. Compiled so here and called directly, it must agree with the reference."""
-    so = tmp_path / "no_bf16.so"
-    out = subprocess.run([cpu._compiler(), *cpu.FLAGS, "-mno-avx512bf16", str(cpu.SOURCE), "-o", str(so)],
-                         capture_output=True, text=True)
+def build(tmp_path: Path, name: str, *flags: str) -> Path:
+    """The kernels' source compiled with cpu.FLAGS and then `flags` (a later -march wins)."""
+    so = tmp_path / f"{name}.so"
+    out = subprocess.run([cpu._compiler(), *cpu.FLAGS, *flags, str(cpu.SOURCE), "-o", str(so)],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    return so
+
+
+def load_build(so: Path, monkeypatch) -> ctypes.CDLL:
+    """A build at `so`, loaded and declared as cpu.py loads its own."""
+    with monkeypatch.context() as m:
+        m.setattr(cpu, "library_path", lambda: so)
+        lib, why = cpu._load()
+    assert lib is not None, why
+    return lib
+
+
+def test_the_bf16_fallback_without_avx512_bf16_instructions_agrees(tmp_path):
+    """CPUs without AVX512-BF16 (AVX-512 without it, or AVX2) build the same source without
+    `vdpbf16ps`: pairs of products as two fmas. Compiled so here and called directly, it must
+    agree with the reference."""
+    so = build(tmp_path, "no_bf16", "-mno-avx512bf16")
     lib = ctypes.CDLL(str(so))
-    assert lib.wb_isa() == 1
+    assert lib.wb_isa() == min(NATIVE_ISA, 2)  # AVX-512 without BF16 (2), or this AVX2 CPU's own build (1)
     W, x = torch.randn(50, 64).bfloat16(), torch.randn(3, 64).bfloat16()
     packed = cpu.PackedLinear(W)
     y = torch.empty(3, 50, dtype=torch.bfloat16)
     lib.wb_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     assert lib.wb_linear(packed.data.data_ptr(), x.data_ptr(), y.data_ptr(), None, 3, 50, 64, 1) == 0
     assert rel_err(y, F.linear(x.double(), W.double())) < 8e-3
+
+
+def kernel_outputs(pair, seed: int = 0) -> list:
+    """Every kernel on random inputs (odd sizes, so that the tails are used), through cpu.py's
+    wrappers and through the models' blocks and the draft's one-call chain, in the pair's dtype."""
+    dtype = pair.verifier.model.embed_tokens.weight.dtype
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    outs = []
+    for N, K, M in ((192, 256, 1), (100, 96, 4), (33, 10, 5), (17, 2, 3)):
+        packed = cpu.PackedLinear(rand(N, K))
+        x = rand(M, K)
+        outs += [packed(x), packed(x, residual=rand(M, N))]
+    outs.append(cpu.rms_norm(rand(5, 72, scale=3), rand(72), 1e-6))
+    a, b = rand(4, 3, 16), rand(4, 3, 16)
+    outs.append(cpu.rope(a, b, rand(4, 16), rand(4, 16)))
+    for T, heads, L, R, start in ((4, 4, 64, 16, 40), (3, 2, 20, 6, 13)):
+        rows = rand(start + T, L + R)
+        outs.append(cpu.attention(rand(T, heads, L), rand(T, heads, R), rows, start, 0.3))
+    h = rand(3, 5 * 2 * 40, scale=3)
+    w = torch.rand(3, 5, generator=gen)
+    w[:, 0] = 0.0
+    outs += [cpu.swiglu(h, 5, w), cpu.swiglu(h[:, :80], 1)]
+    outs += [torch.tensor(v) for v in cpu.row_stats(rand(4, 1000, scale=3))]
+    router = pair.verifier.model.layers[-1].mlp.gate
+    outs.append(cpu.moe_route(rand(6, router.weight.shape[1]), router, extra=1))
+    v, d = pair.verifier, pair.draft
+    with torch.inference_mode():
+        cache = v.new_cache(64)
+        out = v(torch.tensor([[5, 9, 200, 31, 7, 77, 3]]), cache)
+        outs += [out.logits, v(torch.tensor([[11, 12, 13, 14]]), cache).logits, cache.valid()]
+        dcache = d.new_cache(64)
+        outs += list(d.greedy_chain(torch.tensor([[9, 200, 31, 7, 77, 3, 42]]), out.aux_hidden_states, dcache, 4))
+        outs.append(dcache.valid())
+    return [t.detach().clone() for t in outs]
+
+
+def test_an_avx2_build_gives_the_native_builds_bits(tmp_path, monkeypatch, pairs):
+    """The kernels are written once over 16 lanes (one zmm, or two ymm): an AVX2+FMA build must
+    give every output the same bits as this CPU's own build. On an AVX2 CPU that is the native
+    build compiled for x86-64-v3; on an AVX-512 CPU the AVX2 build against the AVX-512 one, and
+    in bf16, where vdpbf16ps adds a pair's products in its own order, against the AVX-512 build
+    without AVX512-BF16 (and close to the native one)."""
+    native = cpu._lib()
+    avx2 = load_build(build(tmp_path, "avx2", "-march=x86-64-v3"), monkeypatch)
+    assert avx2.wb_isa() == 1
+    no_bf16 = native if NATIVE_ISA < 3 else load_build(build(tmp_path, "no_bf16", "-mno-avx512bf16"), monkeypatch)
+
+    def outputs(lib, pair):
+        with monkeypatch.context() as m:
+            m.setitem(cpu._state, "lib", lib)
+            return kernel_outputs(pair)
+
+    for dt, pair in pairs.items():
+        want = outputs(no_bf16 if dt == "bfloat16" else native, pair)
+        got = outputs(avx2, pair)
+        assert len(got) == len(want)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.dtype == w.dtype and torch.equal(g, w), (dt, i)
+        if no_bf16 is not native and dt == "bfloat16":
+            for g, w in zip(got, outputs(native, pair)):
+                torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -34,6 +34,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 MAX_ROWS = 128  # tokens per call the kernels take: a decode, a verify of k+1 <= 17, a prompt of up to 128
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ISA_NAMES = {1: "AVX2+FMA", 2: "AVX-512", 3: "AVX512-BF16"}  # wb_isa()'s answers that serve
 _lock = threading.Lock()
 _state: dict = {}  # "lib": CDLL or None, "why": str
 
@@ -84,7 +85,7 @@ def _load():
         return None, f"not built: {e}"
     isa = lib.wb_isa()
     if isa < 1:
-        return None, "this CPU has no AVX-512 (F, BW, VL): torch's operations instead"
+        return None, "this CPU has neither AVX2+FMA nor AVX-512: torch's operations instead"
     p, i, f, lng = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     lib.wb_linear.argtypes = [p, p, p, p, i, i, i, i]
     lib.wb_rms_norm.argtypes = [p, lng, p, p, lng, i, i, f, i]
@@ -96,7 +97,7 @@ def _load():
     lib.wb_mla_block.argtypes = [p, p, i, p, i, p, p, p]
     lib.wb_ffn_block.argtypes = [p, p, i, p]
     lib.wb_eagle_chain.argtypes = [p, p, i, p, p, i, i, p, p]
-    return lib, f"{path} ({'AVX512-BF16' if isa == 2 else 'AVX-512'})"
+    return lib, f"{path} ({_ISA_NAMES.get(isa, f'wb_isa() {isa}')})"
 
 
 def _lib():

@@ -22,8 +22,14 @@
 // speculative output equals plain decoding exactly in bf16 as in fp32.
 //
 // Element types: 0 = fp32, 1 = bf16 (raw uint16 bits). bf16 results are rounded to nearest even
-// once from an fp32 accumulator, as a bf16 GEMM with fp32 accumulation does. Built only for
-// AVX-512 CPUs (wb_isa() < 1 elsewhere, and the Python side then uses torch's own operations).
+// once from an fp32 accumulator, as a bf16 GEMM with fp32 accumulation does.
+//
+// Built for AVX-512 (F, BW, VL; vdpbf16ps with AVX512-BF16) and for AVX2+FMA CPUs; wb_isa() is 0
+// elsewhere and the Python side then uses torch's own operations. The kernels are written once,
+// over V16: 16 fp32 lanes, one __m512 under AVX-512 and two __m256 under AVX2. Both builds compute
+// each lane with the same operations in the same order (fmas over k in order, horizontal sums in
+// the tree of GCC's _mm512_reduce_add_ps), so an AVX2 build gives an AVX-512 build's bits, but for
+// a bf16 linear with vdpbf16ps, which adds each pair's products in its own order.
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -35,18 +41,28 @@
 #else
 #define WB_AVX512 0
 #endif
+#if !WB_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#define WB_AVX2 1
+#else
+#define WB_AVX2 0
+#endif
+#define WB_SIMD (WB_AVX512 || WB_AVX2)
 
+// 0: neither AVX2+FMA nor AVX-512 (the kernels return -1); 1: AVX2+FMA; 2: AVX-512 F/BW/VL;
+// 3: AVX-512 with AVX512-BF16.
 extern "C" int wb_isa() {
 #if WB_AVX512 && defined(__AVX512BF16__)
-    return 2;
+    return 3;
 #elif WB_AVX512
+    return 2;
+#elif WB_AVX2
     return 1;
 #else
     return 0;
 #endif
 }
 
-#if WB_AVX512
+#if WB_SIMD
 namespace {
 
 inline float bf16_to_f32(uint16_t b) {
@@ -75,126 +91,299 @@ inline void store(void* p, int dtype, size_t i, float v) {
     else static_cast<float*>(p)[i] = v;
 }
 
-inline __m512 load16(const void* p, int dtype, size_t i) {  // 16 values as fp32
-    if (dtype) {
-        __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// ---- 16 lanes ---------------------------------------------------------------------------------
+// One register: Reg (W fp32 lanes), IReg (W int32 lanes), Mask (W lane conditions), Half (W
+// uint16 lanes); a V16 is NR such registers. WB_PICK(avx512, avx2) names each one's AVX-512 and
+// AVX2 spelling side by side; WB_OP / WB_SI spell the intrinsics whose names differ only in width.
+#if WB_AVX512
+#define WB_PICK(avx512, avx2) avx512
+#else
+#define WB_PICK(avx512, avx2) avx2
+#endif
+#define WB_OP(op) WB_PICK(_mm512_##op, _mm256_##op)
+#define WB_SI(op) WB_PICK(_mm512_##op##_si512, _mm256_##op##_si256)
+using Reg = WB_PICK(__m512, __m256);
+using IReg = WB_PICK(__m512i, __m256i);
+using Mask = WB_PICK(__mmask16, __m256);  // bit l for lane l, or lane l all ones
+using Half = WB_PICK(__m256i, __m128i);
+constexpr int NR = WB_PICK(1, 2);
+#if WB_AVX512
+inline Mask tail_mask(int left) { return left >= 16 ? Mask(0xffff) : Mask((1u << left) - 1); }
+#endif
+inline Reg float_of(IReg v) { return WB_PICK(_mm512_castsi512_ps, _mm256_castsi256_ps)(v); }
+template <int P>
+inline Mask cmp_reg(Reg a, Reg b) { return WB_PICK(_mm512_cmp_ps_mask, _mm256_cmp_ps)(a, b, P); }
+inline Reg select_reg(Mask m, Reg a, Reg b) { return WB_PICK(_mm512_mask_mov_ps(b, m, a), _mm256_blendv_ps(b, a, m)); }
+inline IReg iselect_reg(Mask m, IReg a, IReg b) {
+    return WB_PICK(_mm512_mask_mov_epi32(b, m, a), _mm256_blendv_epi8(b, a, _mm256_castps_si256(m)));
+}
+inline Mask or_mask(Mask a, Mask b) { return WB_PICK(Mask(a | b), _mm256_or_ps(a, b)); }
+inline Mask and_mask(Mask a, Mask b) { return WB_PICK(Mask(a & b), _mm256_and_ps(a, b)); }
+inline unsigned mask_bits(Mask m) { return WB_PICK(m, unsigned(_mm256_movemask_ps(m))); }
+inline Mask first_lanes(int left) {  // lanes 0..left-1 of one register
+    return WB_PICK(tail_mask(left), _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+}
+inline Reg round_nearest(Reg x) {
+    return WB_PICK(_mm512_roundscale_ps, _mm256_round_ps)(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+// p * 2^n for integral n. AVX2 builds 2^n from its exponent bits, which holds for n in [-126, 0]
+// (all that exp_neg makes): 2^n is then a normal float, and the product rounds once, as
+// vscalefps rounds it.
+inline Reg scale2n(Reg p, Reg n) {
+    return WB_PICK(_mm512_scalef_ps(p, n), _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))));
+}
+inline Half load_half(const uint16_t* p) {
+    return WB_PICK(_mm256_loadu_si256, _mm_loadu_si128)(reinterpret_cast<const Half*>(p));
+}
+inline IReg load_ireg(const uint16_t* p) { return WB_SI(loadu)(reinterpret_cast<const IReg*>(p)); }
+inline IReg widen(Half h) { return WB_OP(cvtepu16_epi32)(h); }  // uint16 lanes to int32
+constexpr int W = 16 / NR;  // lanes per register
+
+struct V16 { Reg r[NR]; };   // 16 fp32 lanes
+struct I16 { IReg r[NR]; };  // 16 int32 lanes (bf16 pairs, rounded bf16 bits)
+struct M16 { Mask r[NR]; };  // 16 lane conditions
+
+#define WB_LANES(T, expr)                             \
+    {                                                 \
+        T out;                                        \
+        for (int h = 0; h < NR; ++h) out.r[h] = expr; \
+        return out;                                   \
     }
-    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+inline V16 set1(float f) WB_LANES(V16, WB_OP(set1_ps)(f))
+inline V16 zero() WB_LANES(V16, WB_OP(setzero_ps)())
+inline V16 loadf(const float* p) WB_LANES(V16, WB_OP(loadu_ps)(p + h * W))
+inline V16 add(V16 a, V16 b) WB_LANES(V16, WB_OP(add_ps)(a.r[h], b.r[h]))
+inline V16 sub(V16 a, V16 b) WB_LANES(V16, WB_OP(sub_ps)(a.r[h], b.r[h]))
+inline V16 mul(V16 a, V16 b) WB_LANES(V16, WB_OP(mul_ps)(a.r[h], b.r[h]))
+inline V16 div(V16 a, V16 b) WB_LANES(V16, WB_OP(div_ps)(a.r[h], b.r[h]))
+inline V16 vmax(V16 a, V16 b) WB_LANES(V16, WB_OP(max_ps)(a.r[h], b.r[h]))  // b where either is NaN
+inline V16 fma(V16 a, V16 b, V16 c) WB_LANES(V16, WB_OP(fmadd_ps)(a.r[h], b.r[h], c.r[h]))    // a b + c
+inline V16 fnma(V16 a, V16 b, V16 c) WB_LANES(V16, WB_OP(fnmadd_ps)(a.r[h], b.r[h], c.r[h]))  // c - a b
+inline V16 vabs(V16 a) WB_LANES(V16, float_of(WB_SI(and)(WB_SI(castps)(a.r[h]), WB_OP(set1_epi32)(0x7fffffff))))
+inline V16 round_nearest(V16 a) WB_LANES(V16, round_nearest(a.r[h]))
+inline V16 scale2n(V16 p, V16 n) WB_LANES(V16, scale2n(p.r[h], n.r[h]))
+inline V16 select(M16 m, V16 a, V16 b) WB_LANES(V16, select_reg(m.r[h], a.r[h], b.r[h]))  // m ? a : b
+template <int P>
+inline M16 cmp(V16 a, V16 b) WB_LANES(M16, cmp_reg<P>(a.r[h], b.r[h]))
+inline M16 either(M16 a, M16 b) WB_LANES(M16, or_mask(a.r[h], b.r[h]))
+inline M16 both(M16 a, M16 b) WB_LANES(M16, and_mask(a.r[h], b.r[h]))
+inline M16 lanes(int left) WB_LANES(M16, first_lanes(left - h * W))  // lanes 0..left-1
+inline I16 load_pairs(const uint16_t* p) WB_LANES(I16, load_ireg(p + h * 2 * W))  // 16 lanes of 2 bf16
+inline I16 set1_pair(int32_t pair) WB_LANES(I16, WB_OP(set1_epi32)(pair))
+inline V16 bf16_to_v16(const uint16_t* p) WB_LANES(V16, float_of(WB_OP(slli_epi32)(widen(load_half(p + h * W)), 16)))
+inline V16 low_bf16(I16 a) WB_LANES(V16, float_of(WB_OP(slli_epi32)(a.r[h], 16)))  // each pair's first
+inline V16 high_bf16(I16 a) WB_LANES(V16, float_of(WB_SI(and)(a.r[h], WB_OP(set1_epi32)(int(0xffff0000u)))))
+#undef WB_LANES
+
+inline unsigned bits(M16 m) {  // lane l's condition as bit l
+    unsigned b = 0;
+    for (int h = 0; h < NR; ++h) b |= mask_bits(m.r[h]) << (h * W);
+    return b;
 }
 
-inline __m512 load16m(const void* p, int dtype, size_t i, __mmask16 m) {  // masked lanes read as 0
-    if (dtype) {
-        __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + i);
+inline void storef(float* p, V16 v) {
+    for (int h = 0; h < NR; ++h) WB_OP(storeu_ps)(p + h * W, v.r[h]);
 }
 
-inline __mmask16 tail_mask(int left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1); }
-
-void store16(void* p, int dtype, size_t i, __m512 v, __mmask16 m) {
-    if (dtype) {  // round to nearest even (NaN kept quiet), as torch's float -> bfloat16
-        const __m512i u = _mm512_castps_si512(v);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + i, m, _mm512_cvtepi32_epi16(r));
-    } else {
-        _mm512_mask_storeu_ps(static_cast<float*>(p) + i, m, v);
+// v rounded to bf16 (nearest even, NaN kept quiet, as torch's float -> bfloat16): the 16 bits
+// in each lane's low half
+inline I16 bf16_bits(V16 v) {
+    I16 out;
+    for (int h = 0; h < NR; ++h) {
+        const IReg u = WB_SI(castps)(v.r[h]), top = WB_OP(srli_epi32)(u, 16);
+        const IReg lsb = WB_SI(and)(top, WB_OP(set1_epi32)(1));
+        const IReg r = WB_OP(srli_epi32)(WB_OP(add_epi32)(u, WB_OP(add_epi32)(WB_OP(set1_epi32)(0x7fff), lsb)), 16);
+        out.r[h] = iselect_reg(cmp_reg<_CMP_UNORD_Q>(v.r[h], v.r[h]), WB_SI(or)(top, WB_OP(set1_epi32)(0x40)), r);
     }
+    return out;
 }
 
-inline __m512 round16(__m512 v, int dtype) {  // v rounded to dtype and back to fp32
+inline V16 round16(V16 v, int dtype) {  // v rounded to dtype and back to fp32
     if (!dtype) return v;
-    alignas(64) uint16_t b[16];
-    store16(b, 1, 0, v, 0xffff);
-    return load16(b, 1, 0);
+    V16 out;
+    const I16 b = bf16_bits(v);
+    for (int h = 0; h < NR; ++h) out.r[h] = float_of(WB_OP(slli_epi32)(b.r[h], 16));
+    return out;
 }
+
+inline V16 load16(const void* p, int dtype, size_t i) {  // 16 values as fp32
+    if (dtype) return bf16_to_v16(static_cast<const uint16_t*>(p) + i);
+    return loadf(static_cast<const float*>(p) + i);
+}
+
+// acc + the products of each lane's two bf16 pairs (w's k, k+1 and x's): vdpbf16ps where the CPU
+// has it, else two fp32 fmas, k then k+1 (the products of two bf16 are exact in fp32)
+inline V16 dot_pairs(V16 acc, I16 w, I16 x) {
+#if WB_AVX512 && defined(__AVX512BF16__)
+    return {_mm512_dpbf16_ps(acc.r[0], (__m512bh)w.r[0], (__m512bh)x.r[0])};
+#else
+    return fma(high_bf16(w), high_bf16(x), fma(low_bf16(w), low_bf16(x), acc));
+#endif
+}
+
+// ---- tails and horizontal reductions: per ISA ----------------------------------------------------
+// load16n / store16n touch the first `left` lanes (all 16 when left >= 16); lanes past them load as
+// 0. AVX-512 masks the access; AVX2 has no 16-bit masked loads, so a tail goes through a zeroed
+// buffer on the stack. Neither reads nor writes past element i + left - 1.
+#if WB_AVX512
+inline V16 load16n(const void* p, int dtype, size_t i, int left) {
+    const Mask m = tail_mask(left);
+    if (dtype) {
+        const Half h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i);
+        return {float_of(_mm512_slli_epi32(widen(h), 16))};
+    }
+    return {_mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + i)};
+}
+
+inline void store16n(void* p, int dtype, size_t i, V16 v, int left) {
+    const Mask m = tail_mask(left);
+    if (dtype) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p) + i, m, _mm512_cvtepi32_epi16(bf16_bits(v).r[0]));
+    else _mm512_mask_storeu_ps(static_cast<float*>(p) + i, m, v.r[0]);
+}
+
+inline float reduce_add(V16 v) { return _mm512_reduce_add_ps(v.r[0]); }
+inline float reduce_max(V16 v) { return _mm512_reduce_max_ps(v.r[0]); }
+#else
+inline V16 load16n(const void* p, int dtype, size_t i, int left) {
+    if (left >= 16) return load16(p, dtype, i);
+    const size_t es = dtype ? 2 : 4;
+    alignas(64) char buf[64] = {};
+    std::memcpy(buf, static_cast<const char*>(p) + i * es, size_t(left) * es);
+    return load16(buf, dtype, 0);
+}
+
+inline void store16n(void* p, int dtype, size_t i, V16 v, int left) {
+    const size_t es = dtype ? 2 : 4;
+    char* dst = static_cast<char*>(p) + i * es;
+    alignas(64) char buf[64];
+    char* to = left >= 16 ? dst : buf;
+    if (dtype) {  // 16 uint16 in order: packus interleaves the 128-bit halves, the permute undoes it
+        const I16 b = bf16_bits(v);
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b.r[0], b.r[1]), 0xd8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), packed);
+    } else {
+        storef(reinterpret_cast<float*>(to), v);
+    }
+    if (left < 16) std::memcpy(dst, buf, size_t(left) * es);
+}
+
+// GCC's _mm512_reduce_{add,max}_ps tree: the 256-bit halves (high op low), the 128-bit halves,
+// lanes {0,1} op {2,3}, then lane 0 op lane 1
+template <class Op>
+inline float reduce(V16 v, Op op) {
+    const __m256 a = op(v.r[1], v.r[0]);
+    __m128 b = op(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+    b = op(b, _mm_shuffle_ps(b, b, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(op(b, _mm_shuffle_ps(b, b, _MM_SHUFFLE(0, 1, 0, 1))));
+}
+struct AddOp {
+    __m256 operator()(__m256 a, __m256 b) const { return _mm256_add_ps(a, b); }
+    __m128 operator()(__m128 a, __m128 b) const { return _mm_add_ps(a, b); }
+};
+struct MaxOp {
+    __m256 operator()(__m256 a, __m256 b) const { return _mm256_max_ps(a, b); }
+    __m128 operator()(__m128 a, __m128 b) const { return _mm_max_ps(a, b); }
+};
+inline float reduce_add(V16 v) { return reduce(v, AddOp()); }
+inline float reduce_max(V16 v) { return reduce(v, MaxOp()); }
+#endif
 
 // exp for x <= 0 (softmax after subtracting the max): 2^n * p(r), |r| <= ln2/2, degree-6
-// polynomial; relative error ~2e-7. Inputs below -87 give 0 (exp(-87) ~ 1.6e-38).
-inline __m512 exp_neg(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(~under, _mm512_scalef_ps(p, n));
+// polynomial; relative error ~2e-7. Inputs below -87 give 0 (exp(-87) ~ 1.6e-38), so n >= -126.
+// (Lanes past a tail may hold x > 0; their results are discarded, and AVX2's are not exp's.)
+inline V16 exp_neg(V16 x) {
+    const V16 lo = set1(-87.0f);
+    const M16 under = cmp<_CMP_LT_OQ>(x, lo);
+    x = vmax(x, lo);
+    const V16 n = round_nearest(mul(x, set1(1.44269504088896341f)));
+    V16 r = fnma(n, set1(0.693359375f), x);
+    r = fnma(n, set1(-2.12194440e-4f), r);
+    V16 p = set1(1.9875691500e-4f);
+    p = fma(p, r, set1(1.3981999507e-3f));
+    p = fma(p, r, set1(8.3334519073e-3f));
+    p = fma(p, r, set1(4.1665795894e-2f));
+    p = fma(p, r, set1(1.6666665459e-1f));
+    p = fma(p, r, set1(5.0000001201e-1f));
+    p = fma(p, mul(r, r), add(r, set1(1.0f)));
+    return select(under, zero(), scale2n(p, n));
 }
 
 // ---- linear -------------------------------------------------------------------------------
 // fp32 W is packed [N/16][K][16]; bf16 W [N/16][K/2][16][2] (k-pairs per lane, vdpbf16ps's
-// layout; K is padded to even). Tiles of NB blocks (16*NB outputs) by up to 4 rows: the
-// weights are read once for those rows, each output accumulates over k in order.
+// layout; K is padded to even). Columns of NB blocks (16*NB outputs) by up to 4 rows, in tiles
+// of MB rows by up to tile_blocks(MB) blocks: the weights are read once for those rows, and each
+// output accumulates over k in order, so the tiling changes the speed, never the bits.
+// AVX-512's 32 zmm registers hold a 4 x 4 tile; AVX2's 16 ymm about 8 accumulators with their
+// weights (4 x 1, 2 x 2, 1 x 4 tiles: fewer accumulators leave the fmas waiting on each other).
 constexpr int NB = 4;
 
+constexpr int tile_blocks(int MB) { return WB_AVX512 ? NB : MB <= 2 ? NB / MB : 1; }
+
+// acc[m][at + b] for rows m < MB, blocks b < B
 template <int MB, int B>
-void tile_f32(const float* __restrict w, size_t bstride, const float* __restrict x, int K, __m512 (&acc)[4][NB]) {
+void tile_f32(const float* __restrict w, size_t bstride, const float* __restrict x, int K, int at,
+              V16 (&acc)[4][NB]) {
+    V16 sum[MB][B];
     for (int m = 0; m < MB; ++m)
-        for (int b = 0; b < B; ++b) acc[m][b] = _mm512_setzero_ps();
+        for (int b = 0; b < B; ++b) sum[m][b] = zero();
     for (int k = 0; k < K; ++k) {
-        __m512 wv[B];
-        for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_ps(w + b * bstride + size_t(k) * 16);
+        V16 wv[B];
+        for (int b = 0; b < B; ++b) wv[b] = loadf(w + b * bstride + size_t(k) * 16);
+#if WB_AVX2  // several rows: keep the weights in registers (GCC would fold them into each row's fma
+            // as a memory operand, and AVX2's loads would then outnumber its fmas)
+        if constexpr (MB > 1)
+            for (int b = 0; b < B; ++b)
+                for (int h = 0; h < NR; ++h) asm("" : "+x"(wv[b].r[h]));
+#endif
         for (int m = 0; m < MB; ++m) {
-            const __m512 xv = _mm512_set1_ps(x[size_t(m) * K + k]);
-            for (int b = 0; b < B; ++b) acc[m][b] = _mm512_fmadd_ps(wv[b], xv, acc[m][b]);
+            const V16 xv = set1(x[size_t(m) * K + k]);
+            for (int b = 0; b < B; ++b) sum[m][b] = fma(wv[b], xv, sum[m][b]);
         }
     }
+    for (int m = 0; m < MB; ++m)
+        for (int b = 0; b < B; ++b) acc[m][at + b] = sum[m][b];
 }
 
 template <int MB, int B>
-void tile_bf16(const uint16_t* __restrict w, size_t bstride, const uint16_t* __restrict x, int K,
-               __m512 (&acc)[4][NB]) {
+void tile_bf16(const uint16_t* __restrict w, size_t bstride, const uint16_t* __restrict x, int K, int at,
+               V16 (&acc)[4][NB]) {
+    V16 sum[MB][B];
     for (int m = 0; m < MB; ++m)
-        for (int b = 0; b < B; ++b) acc[m][b] = _mm512_setzero_ps();
+        for (int b = 0; b < B; ++b) sum[m][b] = zero();
     const int K2 = K / 2;
     for (int kk = 0; kk < K2; ++kk) {
-        __m512i wv[B];
-        for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_si512(w + b * bstride + size_t(kk) * 32);
+        I16 wv[B];
+        for (int b = 0; b < B; ++b) wv[b] = load_pairs(w + b * bstride + size_t(kk) * 32);
         for (int m = 0; m < MB; ++m) {
             int32_t pair;
             std::memcpy(&pair, x + size_t(m) * K + 2 * kk, 4);
-            const __m512i xv = _mm512_set1_epi32(pair);
-#if defined(__AVX512BF16__)
-            for (int b = 0; b < B; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], (__m512bh)wv[b], (__m512bh)xv);
-#else  // the same pairs, k then k+1, each an fp32 fma
-            const __m512 x0 = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16));
-            const __m512 x1 = _mm512_castsi512_ps(_mm512_and_si512(xv, _mm512_set1_epi32(int(0xffff0000u))));
-            for (int b = 0; b < B; ++b) {
-                const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(wv[b], 16));
-                const __m512 w1 = _mm512_castsi512_ps(_mm512_and_si512(wv[b], _mm512_set1_epi32(int(0xffff0000u))));
-                acc[m][b] = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, acc[m][b]));
-            }
-#endif
+            const I16 xv = set1_pair(pair);
+            for (int b = 0; b < B; ++b) sum[m][b] = dot_pairs(sum[m][b], wv[b], xv);
         }
     }
+    for (int m = 0; m < MB; ++m)
+        for (int b = 0; b < B; ++b) acc[m][at + b] = sum[m][b];
 }
 
-template <int MB, int B>
-void run_tile(const void* w, size_t bstride, const void* x, int K, int dtype, __m512 (&acc)[4][NB]) {
-    if (dtype) tile_bf16<MB, B>(static_cast<const uint16_t*>(w), bstride, static_cast<const uint16_t*>(x), K, acc);
-    else tile_f32<MB, B>(static_cast<const float*>(w), bstride, static_cast<const float*>(x), K, acc);
+// `blocks` (<= NB) blocks from block `at` for MB rows, in tiles of at most TB blocks
+template <int MB, int DT, int TB = tile_blocks(MB), int B = TB>
+void run_blocks(const void* w, size_t bstride, const void* x, int K, int blocks, int at, V16 (&acc)[4][NB]) {
+    if constexpr (B > 1)
+        if (blocks < B) return run_blocks<MB, DT, TB, B - 1>(w, bstride, x, K, blocks, at, acc);
+    if constexpr (DT)
+        tile_bf16<MB, B>(static_cast<const uint16_t*>(w) + at * bstride, bstride, static_cast<const uint16_t*>(x), K,
+                         at, acc);
+    else
+        tile_f32<MB, B>(static_cast<const float*>(w) + at * bstride, bstride, static_cast<const float*>(x), K, at, acc);
+    if (blocks > B) run_blocks<MB, DT>(w, bstride, x, K, blocks - B, at + B, acc);
 }
 
 template <int MB>
-void run_rows(const void* w, size_t bstride, const void* x, int K, int dtype, int blocks, __m512 (&acc)[4][NB]) {
-    switch (blocks) {
-        case 1: run_tile<MB, 1>(w, bstride, x, K, dtype, acc); break;
-        case 2: run_tile<MB, 2>(w, bstride, x, K, dtype, acc); break;
-        case 3: run_tile<MB, 3>(w, bstride, x, K, dtype, acc); break;
-        default: run_tile<MB, 4>(w, bstride, x, K, dtype, acc); break;
-    }
+void run_rows(const void* w, size_t bstride, const void* x, int K, int dtype, int blocks, V16 (&acc)[4][NB]) {
+    if (dtype) run_blocks<MB, 1>(w, bstride, x, K, blocks, 0, acc);
+    else run_blocks<MB, 0>(w, bstride, x, K, blocks, 0, acc);
 }
 
 }  // namespace
@@ -204,7 +393,7 @@ extern "C" {
 
 // y [M, N] = x [M, K] W^T (+ residual [M, N]); x, y, residual are row-major in `dtype`; K even for bf16.
 int wb_linear(const void* w, const void* x, void* y, const void* residual, int M, int N, int K, int dtype) {
-#if WB_AVX512
+#if WB_SIMD
     const size_t esize = dtype ? 2 : 4;
     const size_t bstride = size_t(K) * 16;  // elements per 16-output block
     const int nblk = (N + 15) / 16;
@@ -214,7 +403,7 @@ int wb_linear(const void* w, const void* x, void* y, const void* residual, int M
         for (int m0 = 0; m0 < M; m0 += 4) {
             const int mb = M - m0 < 4 ? M - m0 : 4;
             const char* xp = static_cast<const char*>(x) + size_t(m0) * K * esize;
-            __m512 acc[4][NB];
+            V16 acc[4][NB];
             switch (mb) {
                 case 1: run_rows<1>(wp, bstride, xp, K, dtype, blocks, acc); break;
                 case 2: run_rows<2>(wp, bstride, xp, K, dtype, blocks, acc); break;
@@ -223,18 +412,17 @@ int wb_linear(const void* w, const void* x, void* y, const void* residual, int M
             }
             for (int m = 0; m < mb; ++m)
                 for (int b = 0; b < blocks; ++b) {
-                    const int n0 = (b0 + b) * 16;
-                    const __mmask16 mask = tail_mask(N - n0);
+                    const int n0 = (b0 + b) * 16, left = N - n0;
                     const size_t at = size_t(m0 + m) * N + n0;
-                    __m512 v = acc[m][b];
+                    V16 v = acc[m][b];
                     if (residual) {  // rounded, then added and rounded: `h + linear(x)` in dtype
                         alignas(64) float f[16];
-                        _mm512_store_ps(f, v);
-                        for (int l = 0; l < 16; ++l)
-                            if (mask >> l & 1) f[l] = round_to(f[l], dtype) + load(residual, dtype, at + l);
-                        v = _mm512_load_ps(f);
+                        storef(f, v);
+                        for (int l = 0; l < 16 && l < left; ++l)
+                            f[l] = round_to(f[l], dtype) + load(residual, dtype, at + l);
+                        v = loadf(f);
                     }
-                    store16(y, dtype, at, v, mask);
+                    store16n(y, dtype, at, v, left);
                 }
         }
     }
@@ -248,15 +436,15 @@ int wb_linear(const void* w, const void* x, void* y, const void* residual, int M
 // computes it. x rows are x_stride elements apart, y rows y_stride (y may be a cache row's slice).
 int wb_rms_norm(const void* x, long x_stride, const void* weight, void* y, long y_stride, int M, int H, float eps,
                 int dtype) {
-#if WB_AVX512
+#if WB_SIMD
     for (int m = 0; m < M; ++m) {
         const size_t row = size_t(m) * x_stride, out = size_t(m) * y_stride;
-        __m512 ss = _mm512_setzero_ps();
+        V16 ss = zero();
         for (int h = 0; h < H; h += 16) {
-            const __m512 v = load16m(x, dtype, row + h, tail_mask(H - h));
-            ss = _mm512_fmadd_ps(v, v, ss);
+            const V16 v = load16n(x, dtype, row + h, H - h);
+            ss = fma(v, v, ss);
         }
-        const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / float(H) + eps);
+        const float inv = 1.0f / std::sqrt(reduce_add(ss) / float(H) + eps);
         for (int h = 0; h < H; ++h)
             store(y, dtype, out + h, round_to(load(x, dtype, row + h) * inv, dtype) * load(weight, dtype, h));
     }
@@ -272,7 +460,7 @@ int wb_rms_norm(const void* x, long x_stride, const void* weight, void* y, long 
 // y [T, N, R] with y_stride between tokens (y may be a cache row's slice).
 int wb_rope(const void* a, const void* b, long ab_stride, const void* cos, const void* sin, void* y, long y_stride,
             int T, int N, int R, int dtype) {
-#if WB_AVX512
+#if WB_SIMD
     for (int t = 0; t < T; ++t)
         for (int h = 0; h < N; ++h)
             for (int r = 0; r < R; ++r) {
@@ -293,7 +481,7 @@ int wb_rope(const void* a, const void* b, long ab_stride, const void* cos, const
 // score = scale * (q_lat . c_kv + q_pe . k_pe); softmax in fp32; out = sum_j p_j c_kv_j / sum_j p_j.
 int wb_attention(const void* q_lat, const void* q_pe, long q_stride, long pe_stride, const void* rows, void* out,
                  int T, int N, int L, int R, int start, float scale, int dtype) {
-#if WB_AVX512
+#if WB_SIMD
     const int D = L + R, Dp = (L + 15) / 16 * 16 + (R + 15) / 16 * 16;  // q: latent, then rope, each padded
     float* s = new float[start + T + 16];
     alignas(64) float q[1024];
@@ -308,30 +496,25 @@ int wb_attention(const void* q_lat, const void* q_pe, long q_stride, long pe_str
             float mx = -INFINITY;
             for (int j = 0; j < n; ++j) {
                 const size_t row = size_t(j) * D;
-                __m512 acc = _mm512_setzero_ps();
-                for (int d = 0; d < L; d += 16)
-                    acc = _mm512_fmadd_ps(_mm512_load_ps(q + d), load16m(rows, dtype, row + d, tail_mask(L - d)), acc);
+                V16 acc = zero();
+                for (int d = 0; d < L; d += 16) acc = fma(loadf(q + d), load16n(rows, dtype, row + d, L - d), acc);
                 for (int d = 0; d < R; d += 16)
-                    acc = _mm512_fmadd_ps(_mm512_load_ps(q + Lp + d), load16m(rows, dtype, row + L + d, tail_mask(R - d)), acc);
-                s[j] = _mm512_reduce_add_ps(acc) * scale;
+                    acc = fma(loadf(q + Lp + d), load16n(rows, dtype, row + L + d, R - d), acc);
+                s[j] = reduce_add(acc) * scale;
                 mx = s[j] > mx ? s[j] : mx;
             }
-            __m512 sumv = _mm512_setzero_ps();
+            V16 sumv = zero();
             for (int j = 0; j < n; j += 16) {
-                const __mmask16 m = tail_mask(n - j);
-                const __m512 e = _mm512_maskz_mov_ps(
-                    m, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(mx))));
-                _mm512_mask_storeu_ps(s + j, m, e);
-                sumv = _mm512_add_ps(sumv, e);
+                const V16 e = select(lanes(n - j), exp_neg(sub(load16n(s, 0, j, n - j), set1(mx))), zero());
+                store16n(s, 0, j, e, n - j);
+                sumv = add(sumv, e);
             }
-            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sumv));
+            const V16 inv = set1(1.0f / reduce_add(sumv));
             const size_t o = (size_t(t) * N + hd) * L;
             for (int l = 0; l < L; l += 16) {
-                const __mmask16 m = tail_mask(L - l);
-                __m512 acc = _mm512_setzero_ps();
-                for (int j = 0; j < n; ++j)
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), load16m(rows, dtype, size_t(j) * D + l, m), acc);
-                store16(out, dtype, o + l, _mm512_mul_ps(acc, inv), m);
+                V16 acc = zero();
+                for (int j = 0; j < n; ++j) acc = fma(set1(s[j]), load16n(rows, dtype, size_t(j) * D + l, L - l), acc);
+                store16n(out, dtype, o + l, mul(acc, inv), L - l);
             }
         }
     }
@@ -349,7 +532,7 @@ int wb_attention(const void* q_lat, const void* q_pe, long q_stride, long pe_str
 // the `extra` trailing columns (shared experts) are 1. Ties go to the lower index.
 int wb_moe_route(const void* x, const float* weight, const float* bias, float* dense, int T, int H, int E,
                  int extra, int n_group, int topk_group, int top_k, int norm, float scaling, int sigmoid, int dtype) {
-#if WB_AVX512
+#if WB_SIMD
     if (E > 256 || top_k > E) return -2;
     float score[256], choice[256];
     bool keep[256];
@@ -412,23 +595,23 @@ int wb_moe_route(const void* x, const float* weight, const float* bias, float* d
 // out [T, G*I] = silu(gate) * up (* weight[t, g]) from h [T, G, 2, I] (gate then up per group),
 // rounded as torch rounds each step in dtype; a group whose weight is 0 gives exact zeros.
 int wb_swiglu(const void* h, const float* weight, void* out, int T, int G, int I, int dtype) {
-#if WB_AVX512
+#if WB_SIMD
     for (int t = 0; t < T; ++t)
         for (int g = 0; g < G; ++g) {
             const float wg = weight ? weight[size_t(t) * G + g] : 1.0f;
             const size_t in = (size_t(t) * G + g) * 2 * I, o = (size_t(t) * G + g) * I;
             for (int i = 0; i < I; i += 16) {
-                const __mmask16 m = tail_mask(I - i);
-                if (wg == 0.0f) { store16(out, dtype, o + i, _mm512_setzero_ps(), m); continue; }
-                const __m512 gate = load16m(h, dtype, in + i, m), up = load16m(h, dtype, in + I + i, m);
+                const int left = I - i;
+                if (wg == 0.0f) { store16n(out, dtype, o + i, zero(), left); continue; }
+                const V16 gate = load16n(h, dtype, in + i, left), up = load16n(h, dtype, in + I + i, left);
                 // silu(x) = x * sigmoid(x), sigmoid from e = exp(-|x|) <= 1 on either side of 0
-                const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gate)));
-                const __m512 one = _mm512_set1_ps(1.0f);
-                const __mmask16 neg = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_LT_OQ);
-                const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), _mm512_add_ps(one, e));
-                __m512 a = round16(_mm512_mul_ps(round16(_mm512_mul_ps(gate, sig), dtype), up), dtype);
-                if (weight) a = _mm512_mul_ps(a, _mm512_set1_ps(wg));
-                store16(out, dtype, o + i, a, m);
+                const V16 e = exp_neg(sub(zero(), vabs(gate)));
+                const V16 one = set1(1.0f);
+                const M16 neg = cmp<_CMP_LT_OQ>(gate, zero());
+                const V16 sig = div(select(neg, e, one), add(one, e));
+                V16 a = round16(mul(round16(mul(gate, sig), dtype), up), dtype);
+                if (weight) a = mul(a, set1(wg));
+                store16n(out, dtype, o + i, a, left);
             }
         }
     return 0;
@@ -441,37 +624,35 @@ int wb_swiglu(const void* h, const float* weight, void* out, int T, int G, int I
 // max))) + max, in fp32. A row with a NaN gets max NaN (and argmax 0); +inf gives +inf; all -inf gives -inf.
 int wb_row_stats(const void* logits, long stride, int T, int V, float* mx_out, long* arg_out, float* lse_out,
                  int with_lse, int dtype) {
-#if WB_AVX512
+#if WB_SIMD
     for (int t = 0; t < T; ++t) {
         const size_t row = size_t(t) * stride;
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        __mmask16 nan = 0;
+        V16 mv = set1(-INFINITY);
+        M16 nan = cmp<_CMP_UNORD_Q>(mv, mv);  // none
         for (int v = 0; v < V; v += 16) {
-            const __mmask16 m = tail_mask(V - v);
-            const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), m, load16m(logits, dtype, row + v, m));
-            nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-            mv = _mm512_max_ps(mv, x);
+            const V16 x = select(lanes(V - v), load16n(logits, dtype, row + v, V - v), set1(-INFINITY));
+            nan = either(nan, cmp<_CMP_UNORD_Q>(x, x));
+            mv = vmax(mv, x);
         }
-        float mx = _mm512_reduce_max_ps(mv);
+        float mx = reduce_max(mv);
         long arg = 0;
-        if (nan) {
+        if (bits(nan)) {
             mx = NAN;
         } else {
             for (int v = 0; v < V; v += 16) {  // the first lane equal to the max
-                const __mmask16 m = tail_mask(V - v);
-                const __mmask16 eq = _mm512_mask_cmp_ps_mask(m, load16m(logits, dtype, row + v, m), _mm512_set1_ps(mx), _CMP_EQ_OQ);
-                if (eq) { arg = v + __builtin_ctz(unsigned(eq)); break; }
+                const unsigned eq =
+                    bits(both(lanes(V - v), cmp<_CMP_EQ_OQ>(load16n(logits, dtype, row + v, V - v), set1(mx))));
+                if (eq) { arg = v + __builtin_ctz(eq); break; }
             }
         }
         float lse = mx;
         if (with_lse && std::isfinite(mx)) {
-            __m512 sum = _mm512_setzero_ps();
+            V16 sum = zero();
             for (int v = 0; v < V; v += 16) {
-                const __mmask16 m = tail_mask(V - v);
-                const __m512 x = load16m(logits, dtype, row + v, m);
-                sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_neg(_mm512_sub_ps(x, _mm512_set1_ps(mx)))));
+                const V16 x = load16n(logits, dtype, row + v, V - v);
+                sum = add(sum, select(lanes(V - v), exp_neg(sub(x, set1(mx))), zero()));
             }
-            lse = mx + std::log(_mm512_reduce_add_ps(sum));
+            lse = mx + std::log(reduce_add(sum));
         }
         mx_out[t] = mx, arg_out[t] = arg, lse_out[t] = lse;
     }
@@ -514,7 +695,7 @@ char* scratch(size_t bytes) {
 // hold positions 0..start-1; the T new rows are written at start.. first. cos2, sin2 [T, R].
 int wb_mla_block(const MlaPlan* p, const void* x, int T, void* rows, int start, const void* cos2, const void* sin2,
                  void* out) {
-#if WB_AVX512
+#if WB_SIMD
     const size_t es = p->dtype ? 2 : 4;
     const int N = p->N, L = p->L, R = p->R, D = L + R;
     const int q_out = N * (L + 2 * R);
@@ -554,7 +735,7 @@ int wb_mla_block(const MlaPlan* p, const void* x, int T, void* rows, int start, 
 // out [T, hidden] = down(silu(gate) * up, weighted per group by the routing when a router is given)
 // for normed x [T, hidden].
 int wb_ffn_block(const FfnPlan* p, const void* x, int T, void* out) {
-#if WB_AVX512
+#if WB_SIMD
     const size_t es = p->dtype ? 2 : 4;
     const int G = p->groups, I = p->inter;
     const size_t d_bytes = size_t(T) * G * 4 + 64, g_bytes = size_t(T) * G * 2 * I * es + 64;
@@ -592,7 +773,7 @@ struct EaglePlan {
     int hidden, draft_vocab, limit, norm_before_residual, norm_output, dtype;
 };
 
-#if WB_AVX512
+#if WB_SIMD
 namespace {
 thread_local std::vector<char> chain_buf;
 
@@ -609,7 +790,7 @@ void add_into(void* a, const void* b, size_t n, int dtype) {
 // rows start..start+T+k-2; the caller checks they fit and sets the cache's length.
 int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int T, const void* state_in, void* rows, int start, int k,
                    int64_t* tokens_out, float* probs_out) {
-#if WB_AVX512
+#if WB_SIMD
     const int H = p->hidden, dt = p->dtype, R = p->attn->R;
     const size_t es = dt ? 2 : 4, row = size_t(H) * es;
     if (start + T + k - 1 > p->limit) return -3;
