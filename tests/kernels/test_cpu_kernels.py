@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import workbench as wb
 from workbench.kernels import cpu
+from workbench.kernels.cpu_modules import RopeTables, rope_rows
 from workbench.kernels.reference import mla_attention_torch
 from workbench.models.norm import RMSNorm
 from workbench.models.rope import RotaryEmbedding
@@ -184,10 +185,10 @@ def test_rope_from_two_projection_rows_is_the_rotary_embedding(dtype, interleave
     pos = torch.tensor([[3, 4, 5, 90]])
     cos, sin = rot.cos_sin(pos, dtype)
     want = rot(F.linear(x, w).to(dtype).view(1, 4, 3, 16), cos, sin)[0]
-    halves = [rot.as_rows(w[16 * h:16 * (h + 1)]) for h in range(3)]
+    halves = [rope_rows(rot, w[16 * h:16 * (h + 1)]) for h in range(3)]
     a = F.linear(x, torch.cat([p for p, _ in halves])).to(dtype).view(4, 3, 16)
     b = F.linear(x, torch.cat([q for _, q in halves])).to(dtype).view(4, 3, 16)
-    cos2, sin2 = rot.halves(pos[0], dtype, 128)
+    cos2, sin2 = RopeTables(rot).at(pos[0], dtype, 128)
     assert torch.equal(cpu.rope(a, b, cos2, sin2), want)  # the same products and sums
 
 
@@ -296,87 +297,76 @@ def test_verifier_steps_equal_the_torch_path_and_rows_do_not_depend_on_the_call(
     assert torch.equal(four, ones) and torch.equal(c4.valid(), c1.valid())
 
 
-def test_the_draft_chain_in_one_call_equals_its_passes_and_the_torch_path(pairs, monkeypatch):
+def test_the_draft_chain_in_one_call_equals_its_passes_and_the_plain_model(pairs):
+    """The kernel twin's one-call chain, the same chain pass by pass through the twins' kernels (the
+    models' own greedy_chain over the accelerated modules), and the plain draft: equal (bit for bit
+    between the two kernel runs, fp32 to 1e-5 against the plain model)."""
     from workbench.models.draft import Eagle3Draft
 
     for dt, pair in pairs.items():
-        v, d = pair.verifier, pair.draft
+        v, d, plain = pair.verifier, pair.draft, pair.reference().draft
+        assert type(d).__name__ == "KernelEagle3Draft" and type(plain) is Eagle3Draft
         ids = [5, 9, 200, 31, 7, 77, 3]
         with torch.inference_mode():
             out = v(torch.tensor([ids]), v.new_cache(64))
-        x = torch.tensor([ids[1:] + [42]])
-        runs = {}
-        for name in ("chain", "passes", "torch"):
-            cache = d.new_cache(64)
-            with monkeypatch.context() as m:
-                if name != "chain":
-                    m.setattr(Eagle3Draft, "_chain_serves", lambda *a: False)
-                if name == "torch":
-                    runs[name] = reference(lambda: d.greedy_chain(x, out.aux_hidden_states, cache, 4)) + (cache,)
-                else:
-                    with torch.inference_mode():
-                        runs[name] = d.greedy_chain(x, out.aux_hidden_states, cache, 4) + (cache,)
-        (t1, p1, c1), (t2, p2, c2), (t3, p3, c3) = runs["chain"], runs["passes"], runs["torch"]
+            x = torch.tensor([ids[1:] + [42]])
+            runs = {}
+            for name, chain in (("chain", d.greedy_chain), ("passes", lambda *a: Eagle3Draft.greedy_chain(d, *a)),
+                                ("plain", plain.greedy_chain)):
+                cache = d.new_cache(64)
+                runs[name] = chain(x, out.aux_hidden_states, cache, 4) + (cache,)
+        (t1, p1, c1), (t2, p2, c2), (t3, p3, c3) = runs["chain"], runs["passes"], runs["plain"]
         assert torch.equal(t1, t2) and torch.equal(p1, p2) and torch.equal(c1.valid(), c2.valid()), dt
         assert c1.length == c3.length == len(ids) + 3
         if dt == "float32":
             assert torch.equal(t1, t3)
-            torch.testing.assert_close(p1, p3.detach(), rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(c1.valid(), c3.valid().detach(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(p1, p3, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(c1.valid(), c3.valid(), rtol=1e-5, atol=1e-5)
 
 
-def test_packed_weights_follow_the_models_weights_and_switches(pairs):
-    """An in-place weight change, the RoPE pairing flipped and the fed-back state switched (as the
-    doctor does), a draft's embedding swapped: the next kernel call uses what the model now holds."""
-    from workbench.analysis.doctor import norm_output_flipped, rope_flipped
+def test_packed_weights_are_checked_and_variants_are_repacked(pairs, tmp_path):
+    """A weight changed in place after `accelerate` makes the next kernel call an error naming the
+    fix; accelerated again, the twins equal the plain model. The doctor's variants (RoPE pairing,
+    fed-back state, an embedding of the draft's own) are packed afresh and equal their plain twins."""
+    from tests.helpers import make_random_pair
+    from workbench.kernels.cpu_modules import StaleWeightsError
 
-    pair = pairs["float32"]
-    v, d = pair.verifier, pair.draft
+    vdir, ddir = make_random_pair(tmp_path, seed=4, layers=3, aux_layer_ids=(0, 1, 2))
+    pair = wb.load_pair(vdir, ddir, dtype="float32")  # its own: the weights change below
+    v, plain = pair.verifier, pair.reference()
     prompt = torch.tensor([[5, 9, 200, 31]])
 
-    def both():
+    def logits(model):
         with torch.inference_mode():
-            got = v(prompt, v.new_cache(16)).logits
-        return got, reference(lambda: v(prompt, v.new_cache(16)).logits.detach())
+            return model(prompt, model.new_cache(16)).logits
 
-    before, _ = both()
-    attn = v.model.layers[1].self_attn
+    before = logits(v)
+    torch.testing.assert_close(before, logits(plain.verifier), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        v.model.layers[1].mlp.experts[0].up_proj.weight.mul_(3.0)
-        attn.o_proj.weight.mul_(-1.0)
-    got, want = both()
-    assert not torch.allclose(got, before)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    attn.rotary.interleave = not attn.rotary.interleave
-    try:
-        got, want = both()
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    finally:
-        attn.rotary.interleave = not attn.rotary.interleave
+        plain.verifier.model.layers[1].mlp.experts[0].up_proj.weight.mul_(3.0)
+        plain.verifier.model.layers[1].self_attn.o_proj.weight.mul_(-1.0)
+    with pytest.raises(StaleWeightsError, match="accelerate the plain model again"):
+        logits(v)
+    again = plain.with_path("cpu")
+    assert not torch.allclose(logits(again.verifier), before)
+    torch.testing.assert_close(logits(again.verifier), logits(plain.verifier), rtol=1e-5, atol=1e-5)
 
     ids = torch.tensor([[9, 200, 31, 42]])
     with torch.inference_mode():
-        aux = v(prompt, v.new_cache(16)).aux_hidden_states
-
-    def chain():
-        with torch.inference_mode():
-            got = d.greedy_chain(ids, aux, d.new_cache(16), 3)
-        return got, reference(lambda: d.greedy_chain(ids, aux, d.new_cache(16), 3))
-
-    for flipped in (rope_flipped, norm_output_flipped):  # the doctor's probes, inside the one-call chain
-        with flipped(d):
-            got, want = chain()
-            assert torch.equal(got[0], want[0]), flipped.__name__
-            torch.testing.assert_close(got[1], want[1].detach(), rtol=1e-5, atol=1e-6)
+        aux = again.verifier(prompt, again.verifier.new_cache(16)).aux_hidden_states
+    d = again.plain[1]
     own = torch.nn.Embedding(*d.part("embed_tokens").weight.shape)
     with torch.no_grad():
         own.weight.normal_()
-    d.embed_tokens = own  # the draft now ships an embedding of its own
-    try:
-        got, want = chain()
-        assert torch.equal(got[0], want[0])
-    finally:
-        del d._modules["embed_tokens"]
+    for change in ({"layers.0.self_attn.rotary.interleave": not d.layers[0].self_attn.rotary.interleave},
+                   {"norm_output": not d.norm_output}, {"embed_tokens": own}):
+        fast, slow = again.variant(draft=change).draft, again.reference().variant(draft=change).draft
+        assert type(fast).__name__ == "KernelEagle3Draft", change
+        with torch.inference_mode():
+            got = fast.greedy_chain(ids, aux, fast.new_cache(16), 3)
+            want = slow.greedy_chain(ids, aux, slow.new_cache(16), 3)
+        assert torch.equal(got[0], want[0]), change
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_speculation_equals_plain_decoding_bit_for_bit_on_the_embedded_pair():
