@@ -87,7 +87,7 @@ def _as_int(name: str, value: object, lo: int, hi: int) -> int:
 
 
 def make_settings(k: int | float, temperature: float, top_p: float, max_new_tokens: int | float,
-                  seed: int | float | None, use_draft: bool = True) -> Settings:
+                  seed: int | float | None, use_draft: bool = True, heal: bool = True) -> Settings:
     """Settings from raw widget values (sliders may send 3.0 for 3); bad values raise RequestError."""
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise wb.RequestError(f"temperature = {temperature!r}; expected a finite number >= 0")
@@ -95,7 +95,7 @@ def make_settings(k: int | float, temperature: float, top_p: float, max_new_toke
         raise wb.RequestError(f"top_p = {top_p!r}; expected a number in (0, 1]")
     return Settings(_as_int("num_speculative_tokens", k, 1, MAX_UI_K), float(temperature), float(top_p),
                     _as_int("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS),
-                    _as_int("seed", seed, 0, 2**63 - 1), bool(use_draft))
+                    _as_int("seed", seed, 0, 2**63 - 1), bool(use_draft), bool(heal))
 
 
 # ---- rendering (pure) ------------------------------------------------------------------------
@@ -323,7 +323,8 @@ def api_result(pair: wb.ModelPair, prompt: str, s: Settings) -> wb.GenerationRes
     text = pair.tokenizer.format_prompt([{"role": "user", "content": prompt}])
     if not s.use_draft:
         return _autoregressive(pair, text, s)
-    return wb.SpecDecoder(pair, s.k, s.temperature, s.top_p, seed=s.seed).generate(text, s.max_new_tokens)
+    return wb.SpecDecoder(pair, s.k, s.temperature, s.top_p, seed=s.seed).generate(text, s.max_new_tokens,
+                                                                                   heal=s.heal)
 
 
 # ---- the UI ----------------------------------------------------------------------------------
@@ -430,11 +431,13 @@ def build_demo(pair_args: PairSpec = PairSpec(), defaults: Settings = Settings()
             return tuple(out)
 
         def generate(prompt: str, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
-                     max_new_tokens: int = 64, seed: int = 0, use_draft: bool = True) -> tuple[str, dict]:
+                     max_new_tokens: int = 64, seed: int = 0, use_draft: bool = True,
+                     heal: bool = True) -> tuple[str, dict]:
             """Continue `prompt`; returns (text, {finish_reason, num_tokens, k, stats}). k is ignored without
-            the draft. The prompt is formatted as in the chat (plain text when there is no chat template)."""
+            the draft. The prompt is formatted as in the chat (plain text when there is no chat template) and,
+            as there, healed unless `heal` is False."""
             try:
-                s = make_settings(k, temperature, top_p, max_new_tokens, seed, use_draft)
+                s = make_settings(k, temperature, top_p, max_new_tokens, seed, use_draft, heal)
                 res = api_result(get_pair(pair_args), prompt, s)
             except ValueError as e:
                 raise gr.Error(str(e)) from e

@@ -115,8 +115,10 @@ def pair():
 
 @functools.lru_cache(maxsize=None)
 def _library(prompt: str, k: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> wb.GenerationResult:
-    """What `workbench generate --json --k K --seed S` returns for `prompt` (computed once per file)."""
-    return wb.SpecDecoder(chat.get_pair(chat.PairSpec()), k, temperature, top_p, seed=seed).generate(prompt, NEW)
+    """What `workbench generate --json --heal --k K --seed S` returns for `prompt` (computed once per file):
+    the chat heals prompts by default."""
+    dec = wb.SpecDecoder(chat.get_pair(chat.PairSpec()), k, temperature, top_p, seed=seed)
+    return dec.generate(prompt, NEW, heal=True)
 
 
 def test_real_stream_renders_every_emitted_token(pair):
@@ -158,12 +160,12 @@ def test_turns_race_and_conversation_stats(pair):
     assert [n for _, n in phases[:-2]] == list(range(1, len(answer.events) + 1))  # one update per step
     assert [p for p, _ in phases] == ["speculative"] * len(answer.events) + ["baseline", "done"]
     assert answer.text == _library(PROMPT, 3).text == conv.history[-1]["content"]
-    assert answer.baseline_text == wb.generate_autoregressive(pair, PROMPT, NEW).text
+    assert answer.baseline_text == wb.generate_autoregressive(pair, PROMPT, NEW, heal=True).text
     verdict = _Spans.of(chat.race_html(answer)).spans()[0]
     assert verdict[0]["id"] == "race-verdict" and verdict[1] == "identical"  # greedy is lossless
     conv.history.append({"role": "user", "content": "x = ["})
     off = list(chat.run_turn(pair, conv, chat.make_settings(3, 0, 1, 8, 0, False)))[-1]
-    assert off.text == wb.generate_autoregressive(pair, "x = [", 8).text
+    assert off.text == wb.generate_autoregressive(pair, "x = [", 8, heal=True).text
     spec_steps = [e for e in answer.events if e.kind == "spec"]
     assert conv.spec_events() == answer.events and conv.autoregressive_events() == answer.baseline + off.events
     table = chat.stats_html(conv, off)

@@ -39,7 +39,7 @@ def make_copy_pair(out: Path, prompts: list[str] = PROMPTS, aux: tuple[int, ...]
     Capture layer 3 instead of 4 (aux ids shifted by -1) and the proposals miss: accept ~1.
     """
     vdir, ddir = make_random_pair(out, layers=5, aux_layer_ids=aux)
-    pair = wb.load_pair(vdir, ddir)
+    pair = wb.load_pair(vdir, ddir, fast="off")  # the plain models: their weights are edited in place below
     v, d = pair.verifier, pair.draft
     H = v.config.hidden_size
     with torch.no_grad():
@@ -195,16 +195,17 @@ def test_nested_aux_ids_are_read_as_vllm_reads_them_and_each_reading_is_measured
 
 
 def test_own_embedding_probe_and_restore_on_error(copy_dirs, monkeypatch):
-    pair = wb.load_pair(*copy_dirs)
-    own = torch.nn.Embedding(*pair.verifier.model.embed_tokens.weight.shape)
+    plain = wb.load_pair(*copy_dirs, fast="off")
+    own = torch.nn.Embedding(*plain.verifier.model.embed_tokens.weight.shape)
     with torch.no_grad():
-        own.weight.copy_(pair.verifier.model.embed_tokens.weight)
-    pair.draft.embed_tokens = own  # a draft that ships its own (here identical) embedding
+        own.weight.copy_(plain.verifier.model.embed_tokens.weight)
+    plain.draft.embed_tokens = own  # a draft that ships its own (here identical) embedding
+    pair = plain.with_path("auto")  # the default path, built from the edited plain draft
     before = state(pair)
     report = diagnose(pair, PROMPTS[:1], k=2, max_new_tokens=6)
     emb = next(p for p in report.probes if p.name == "verifier embedding")
     assert emb.skipped is None and emb.delta == 0.0 and not emb.flagged
-    assert state(pair) == before and pair.draft.part("embed_tokens") is own
+    assert state(pair) == before and pair.plain[1].part("embed_tokens") is own
 
     calls = []
 

@@ -141,7 +141,9 @@ def random_pair(tmp_path_factory):
 
 
 def reload_and_compare(pair, export_dir: Path, exact: bool) -> None:
-    """The export, loaded back as a draft of the same verifier, gives the same draft logits."""
+    """The export, loaded back as a draft of the same verifier, gives the same draft logits as the
+    plain draft it came from."""
+    pair = pair.reference()
     back = wb.load_draft(export_dir, pair.verifier, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, pair.verifier.config.vocab_size, (1, 7), generator=g)

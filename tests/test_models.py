@@ -26,15 +26,16 @@ YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
 
 
-def randomise(module: torch.nn.Module, seed: int, std: float = 0.15) -> None:
-    """N(0, std) weights, norms U(0.5, 1.5), routing bias N(0, 0.3): nothing a bug can hide in."""
+def randomise(module: torch.nn.Module, seed: int, std: float | None = 0.15) -> None:
+    """N(0, std) weights (std None: N(0, 1/fan_in), outputs of unit size at any width), norms
+    U(0.5, 1.5), routing bias N(0, 0.3): nothing a bug can hide in."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if "norm" in name:
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                p.copy_(torch.randn(p.shape, generator=g) * (std if std is not None else p.shape[-1] ** -0.5))
         for name, b in module.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.3)
@@ -180,17 +181,6 @@ V2_GROUPED = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_in
                   n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=16.0)
 
 
-def randomise_by_fan_in(module: torch.nn.Module, seed: int) -> None:
-    """N(0, 1/fan_in) matrices (outputs of unit size at any width), norms U(0.5, 1.5)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-
-
 def v2_case(tmp_path_factory, shape: dict, seed: int, tokens: int):
     """(transformers DeepseekV2ForCausalLM, our Verifier from its save_pretrained directory, ids, reference)."""
     transformers = pytest.importorskip("transformers")
@@ -201,7 +191,7 @@ def v2_case(tmp_path_factory, shape: dict, seed: int, tokens: int):
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     hf = transformers.DeepseekV2ForCausalLM(cfg).eval()
-    randomise_by_fan_in(hf, seed)
+    randomise(hf, seed, std=None)
     directory = tmp_path_factory.mktemp(f"dsv2_{shape['topk_method']}")
     hf.save_pretrained(directory)
     ours = wb.load_verifier(directory)

@@ -280,10 +280,10 @@ def peaked_pair(tmp_path_factory):
     up, so each next-token distribution sits on a few tokens and a few hundred runs resolve it."""
     vdir, ddir = make_random_pair(tmp_path_factory.mktemp("peaked"), seed=11, hidden=32, layers=3, vocab=VOCAB,
                                   aux_layer_ids=(0, 1, 2))
-    pair = wb.load_pair(vdir, ddir, dtype="float32")
+    pair = wb.load_pair(vdir, ddir, dtype="float32", fast="off")
     with torch.no_grad():
         pair.verifier.lm_head.weight.mul_(12.0)
-    return pair
+    return pair.with_path("auto")  # the default path, built from the edited weights
 
 
 @torch.inference_mode()

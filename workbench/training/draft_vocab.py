@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the saved weights")
     args = p.parse_args(argv)
-    pair = wb.load_pair(args.verifier, args.draft, dtype="float32")
+    pair = wb.load_pair(args.verifier, args.draft, dtype="float32", fast="off")  # the plain draft is reduced
     counts = count_tokens(args.data, pair.verifier.config.vocab_size)
     keep = select_tokens(counts, args.size, always=tuple(pair.eos_token_ids))  # EOS stays proposable
     reduced = reduce_draft_vocab(pair.draft, keep)
