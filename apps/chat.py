@@ -4,8 +4,9 @@ Each answer streams one `StepEvent` per verifier forward from `SpecDecoder.strea
 token is coloured from the event's own per-token status, never by searching decoded text
 (peers.md §1.1): an accepted draft proposal, the verifier's correction after a rejection, or the
 verifier's bonus after a fully accepted step (the prefill token counts as a bonus). Rejected
-proposals can be shown struck through. Race mode reruns the prompt with plain autoregressive
-decoding for tokens/s, speedup and (greedy) a losslessness check.
+proposals can be shown struck through. Race mode times the prompt again, speculative and plain
+autoregressive decoding back to back under the sweep's protocol (`workbench.analysis.protocol`),
+for decode tokens/s, speedup and (greedy) a losslessness check.
 
     workbench chat [--verifier DIR --draft DIR --device cpu --dtype float32 --port 7860]
 
@@ -27,6 +28,7 @@ import plotly.graph_objects as go
 
 import workbench as wb
 from workbench.analysis.metrics import compute_stats
+from workbench.analysis.protocol import Arm, Measurements, measure
 
 MAX_UI_K = 8  # the slider's range; the engine itself allows up to wb.MAX_K
 MAX_NEW_TOKENS = 1024
@@ -214,6 +216,7 @@ class Answer:
     settings: Settings
     events: list[wb.StepEvent] = field(default_factory=list)
     baseline: list[wb.StepEvent] | None = None
+    race: Measurements | None = None  # race mode: both ways timed back to back
     phase: str = "speculative"  # "speculative" | "autoregressive" | "baseline" | "done"
 
     @property
@@ -270,9 +273,18 @@ def run_turn(pair: wb.ModelPair, conv: Conversation, s: Settings, race: bool = F
     if race and s.use_draft:
         answer.phase = "baseline"
         yield answer
-        answer.baseline = _autoregressive(pair, prompt, s).events
+        answer.race = race_arms(pair, prompt, s)
+        answer.baseline = answer.race.results["autoregressive"][0][0].events
     answer.phase = "done"
     yield answer
+
+
+def race_arms(pair: wb.ModelPair, prompt: str, s: Settings) -> Measurements:
+    """Both ways on this prompt, timed as the sweep times them (the pair is warm from the answer)."""
+    dec = wb.SpecDecoder(pair, s.k, s.temperature, s.top_p, seed=s.seed)
+    arms = [Arm("autoregressive", 0, lambda p: _autoregressive(pair, p, s)),
+            Arm("speculative", s.k, lambda p: dec.generate(p, s.max_new_tokens, heal=s.heal))]
+    return measure(arms, [prompt], repeats=1, warmup=False)
 
 
 def _tps(events: list[wb.StepEvent]) -> float | None:
@@ -286,8 +298,9 @@ def race_html(answer: Answer | None) -> str:
         msg = "running the autoregressive baseline…" if answer is not None and answer.phase == "baseline" else \
             "Race mode reruns each prompt without the draft and compares tokens/s and (greedy) the texts."
         return f'<div class="wb-race">{msg}</div>'
-    spec, ar = _tps(answer.events), _tps(answer.baseline)
-    speedup = spec / ar if spec and ar else float("nan")
+    m = answer.race
+    spec, ar = m.rate("speculative").median, m.rate("autoregressive").median
+    speedup = m.ratio("speculative", "autoregressive").median
     if answer.settings.greedy:
         same = answer.text == answer.baseline_text
         verdict = (f'<span class="wb-verdict {"identical" if same else "different"}" id="race-verdict">'
@@ -295,8 +308,8 @@ def race_html(answer: Answer | None) -> str:
     else:
         verdict = ('<span class="wb-verdict not-compared" id="race-verdict">not compared</span> (sampling: '
                    "the two runs are different draws from the same distribution)")
-    return (f'<div class="wb-race">speculative <b>{spec:.1f}</b> tok/s · autoregressive <b>{ar:.1f}</b> tok/s · '
-            f"speedup <b>{speedup:.2f}×</b> · {verdict}</div>")
+    return (f'<div class="wb-race">decode: speculative <b>{spec:.1f}</b> tok/s · autoregressive <b>{ar:.1f}</b> '
+            f"tok/s · speedup <b>{speedup:.2f}×</b> (one run each, back to back) · {verdict}</div>")
 
 
 def stats_html(conv: Conversation, answer: Answer | None) -> str:
@@ -395,6 +408,7 @@ def _outputs(ui: SimpleNamespace) -> list:
 def build_demo(pair_args: PairSpec = PairSpec(), defaults: Settings = Settings()) -> gr.Blocks:
     """The chat UI for one pair (loaded on the first request, then shared by every user);
     `defaults` sets the controls' initial values."""
+    # long: the event wiring of one Blocks app must sit inside its `with` block
     with gr.Blocks(title="workbench · speculative decoding, live", analytics_enabled=False) as demo:
         ui = _layout(defaults)
 

@@ -161,6 +161,9 @@ def test_turns_race_and_conversation_stats(pair):
     assert [p for p, _ in phases] == ["speculative"] * len(answer.events) + ["baseline", "done"]
     assert answer.text == _library(PROMPT, 3).text == conv.history[-1]["content"]
     assert answer.baseline_text == wb.generate_autoregressive(pair, PROMPT, NEW, heal=True).text
+    race = answer.race  # both ways timed back to back under the sweep's protocol
+    assert race.results["speculative"][0][0].text == answer.text and race.rate("autoregressive").median > 0
+    assert "decode: speculative" in chat.race_html(answer)
     verdict = _Spans.of(chat.race_html(answer)).spans()[0]
     assert verdict[0]["id"] == "race-verdict" and verdict[1] == "identical"  # greedy is lossless
     conv.history.append({"role": "user", "content": "x = ["})

@@ -1,4 +1,4 @@
-"""Acceptance metrics from StepEvents, merging, and the goodput model that recommends k."""
+"""Acceptance metrics from StepEvents, merging, and the tokens a step emits at a given k."""
 import json
 import math
 
@@ -10,9 +10,7 @@ from workbench.analysis.metrics import (
     compute_stats,
     counter_rates,
     expected_accept_length,
-    goodput,
     merge_stats,
-    recommend_k,
     stats_table,
 )
 from workbench.decoding.events import StepEvent
@@ -173,48 +171,13 @@ def test_stats_table_is_flat_json():
     assert json.loads(json.dumps(row)) == row
 
 
-def test_expected_accept_length_and_goodput():
+def test_expected_accept_length():
     assert expected_accept_length([0.8, 0.5], 0) == 1.0
     assert expected_accept_length([0.8, 0.5], 2) == pytest.approx(1 + 0.8 + 0.4)
     assert expected_accept_length([0.8, 0.5], 4) == pytest.approx(1 + 0.8 + 0.4 + 0.2 + 0.1)  # 0.5 extrapolated
-    assert goodput([0.8, 0.5], 2, 0.1) == pytest.approx(2.2 / 1.2)
-    assert goodput([0.8], 3, 0.0) == pytest.approx(expected_accept_length([0.8], 3))
+    alpha = 0.8
+    for k in range(6):  # constant alpha: a geometric series
+        assert expected_accept_length([alpha], k) == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
     for bad in ([], [1.2], [-0.1]):
         with pytest.raises(ValueError, match="cond_rates"):
             expected_accept_length(bad, 2)
-    with pytest.raises(ValueError, match="c = "):
-        goodput([0.5], 1, -0.1)
-
-
-def closed_form_speedup(alpha: float, k: int, c: float) -> float:
-    return (1 - alpha ** (k + 1)) / (1 - alpha) / (1 + k * c)  # geometric series for constant alpha
-
-
-def test_recommend_k_argmax():
-    rec = recommend_k([0.8], c=0.1, k_max=8)
-    want = max(range(9), key=lambda k: closed_form_speedup(0.8, k, 0.1))
-    assert rec.k == want == 6
-    for k in range(9):
-        assert rec.predicted[k] == pytest.approx(closed_form_speedup(0.8, k, 0.1))
-    assert rec.agrees is None and "k=6" in rec.reason
-    slow = recommend_k([0.5], c=1.0)
-    assert slow.k == 0 and "does not pay" in slow.reason
-    assert "beyond k_max" in recommend_k([0.99], c=0.01, k_max=4).reason
-
-
-def test_recommend_k_against_measured_sweeps():
-    rec = recommend_k([0.8], 0.1, measured={0: 10.0, 5: 24.0, 6: 24.5, 7: 24.0})
-    assert rec.agrees and rec.measured_best_k == 6 and rec.measured_speedups[6] == pytest.approx(2.45)
-
-    rec = recommend_k([0.8], 0.1, measured={0: 10.0, 2: 20.0, 3: 22.0, 4: 21.0, 6: 15.0})
-    assert (rec.agrees, rec.within_noise, rec.measured_best_k) == (False, False, 3)
-    assert "verification cost grows with k" in rec.reason and "measured 1.500x" in rec.reason
-
-    rec = recommend_k([0.8], 0.1, measured={5: 24.6, 6: 24.0}, noise=0.03)
-    assert (rec.agrees, rec.within_noise) == (False, True) and "noise" in rec.reason
-
-    rec = recommend_k([0.8], 0.5, measured={1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0})
-    assert rec.k == 2 and rec.measured_best_k == 4 and "cheaper than c" in rec.reason
-
-    rec = recommend_k([0.8], 0.1, measured={2: 20.0, 3: 22.0})
-    assert "k=6 was not measured" in rec.reason and rec.agrees

@@ -162,14 +162,23 @@ def _bench_text(r: dict) -> str:
 def cmd_sweep(args) -> int:
     from workbench.analysis.sweep import run_sweep
 
-    pair = _load(args)
+    ks = _numbers("--ks", args.ks, int)
+    temps = _numbers("--temperatures", args.temperatures, float)
+    rates = _numbers("--synthetic-rates", args.synthetic_rates, float) if args.synthetic_rates else None
     prompts = read_prompts(args.prompts, args.limit)
-    ks = [int(k) for k in args.ks.split(",")]
-    temps = [float(t) for t in args.temperatures.split(",")]
+    pair = _load(args)
     res = run_sweep(pair, prompts, ks=ks, temperatures=temps, max_new_tokens=args.max_new_tokens,
-                    attention=args.attention, seed=args.seed)
+                    attention=args.attention, seed=args.seed, repeats=args.repeats, synthetic_rates=rates,
+                    k_max=args.k_max, draft_name=args.draft_name, warmup=not args.no_warmup)
     print(json.dumps(res.to_dict()) if args.json else res.summary())
     return 0
+
+
+def _numbers(flag: str, text: str, kind: type) -> list:
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} = {text!r}; expected comma-separated {kind.__name__}s, e.g. 1,2,3") from None
 
 
 def cmd_doctor(args) -> int:
@@ -240,6 +249,7 @@ def cmd_train_draft(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # long: one add_argument per flag, every subcommand's flags read top to bottom
     ap = argparse.ArgumentParser(prog="workbench", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -283,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperatures", default="0")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (after a warm-up)")
+    p.add_argument("--no-warmup", action="store_true", help="time every arm's first, cold generation too")
+    p.add_argument("--synthetic-rates", default=None,
+                   help="accept with these unconditional per-position rates instead of the draft's (timing "
+                        "only, not lossless), e.g. 0.9,0.8,0.7")
+    p.add_argument("--k-max", type=int, default=None, help="how far the step-cost model extrapolates")
+    p.add_argument("--draft-name", default=None, help="the draft's name in the printed speculative_config")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_sweep)
 

@@ -35,24 +35,44 @@ def accept_length_fig(result) -> go.Figure:
     return _layout(fig, "Accept length (1 + accepted / drafts)", "k", "tokens per verifier step")
 
 
+def _bars(intervals) -> dict:
+    """Plotly error bars from `protocol.Interval`s (median, lo, hi)."""
+    return dict(type="data", symmetric=False, array=[i.hi - i.median for i in intervals],
+                arrayminus=[i.median - i.lo for i in intervals])
+
+
 def throughput_fig(result) -> go.Figure:
     fig = go.Figure()
     for t in result.temperatures:
         pts = [p for p in result.points if p.temperature == t]
-        fig.add_scatter(x=[p.k for p in pts], y=[p.tokens_per_s for p in pts], mode="lines+markers", name=f"T={t}")
-    return _layout(fig, "Tokens/s (k = 0 is autoregressive)", "k", "tokens/s")
+        fig.add_scatter(x=[p.k for p in pts], y=[p.tokens_per_s.median for p in pts], mode="lines+markers",
+                        error_y=_bars([p.tokens_per_s for p in pts]), name=f"T={t}")
+    return _layout(fig, "Decode tokens/s, 95% interval (k = 0 is autoregressive)", "k", "tokens/s")
 
 
-def speedup_fig(result, temperature: float, rec) -> go.Figure:
+def speedup_fig(result, temperature: float) -> go.Figure:
+    """Measured speedups with their intervals, the step-cost model with its band, and physics' bound."""
     pts = [p for p in result.points if p.temperature == temperature]
+    curve = result.models[temperature]
     fig = go.Figure()
-    ks = sorted(rec.predicted)
-    c = result.c(temperature)
-    fig.add_scatter(x=ks, y=[rec.predicted[k] for k in ks], mode="lines", name=f"model E(k)/(1+k·c), c={c:.3f}",
+    ks = curve.ks
+    fig.add_scatter(x=ks + ks[::-1], y=[curve.hi[k] for k in ks] + [curve.lo[k] for k in ks[::-1]], mode="lines",
+                    fill="toself",
+                    line=dict(width=0), fillcolor="rgba(99,110,250,0.15)", name="model, 95% band", hoverinfo="skip")
+    fig.add_scatter(x=ks, y=[curve.speedup[k] for k in ks], mode="lines", name="step-cost model",
                     line=dict(dash="dash"))
-    fig.add_scatter(x=[p.k for p in pts], y=[p.speedup for p in pts], mode="markers", name="measured speedup",
-                    marker=dict(size=11))
-    fig.add_vline(x=rec.k, line=dict(color="green", dash="dot"), annotation_text=f"recommended k={rec.k}",
+    fig.add_scatter(x=[p.k for p in pts], y=[p.speedup.median for p in pts], mode="markers",
+                    error_y=_bars([p.speedup for p in pts]), name="measured", marker=dict(size=10))
+    spec = [p for p in pts if p.k]
+    fig.add_scatter(x=[p.k for p in spec], y=[p.bound for p in spec], mode="markers", name="bound (physics)",
+                    marker=dict(symbol="line-ew-open", size=16, color="gray"))
+    bad = [p for p in spec if p.error]
+    if bad:
+        fig.add_scatter(x=[p.k for p in bad], y=[p.speedup.median for p in bad], mode="markers",
+                        name="measurement error", marker=dict(symbol="x", size=14, color="red"))
+    rec = result.recommendation(temperature)
+    fig.add_vline(x=rec.k, line=dict(color="green", dash="dot"),
+                  annotation_text=f"{'recommended' if rec.decided else 'fastest'} k={rec.k}",
                   annotation_position="bottom right")
     return _layout(fig, f"Speedup vs autoregressive (T={temperature})", "k", "x autoregressive")
 

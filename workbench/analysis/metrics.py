@@ -1,4 +1,4 @@
-"""Acceptance metrics in vLLM's vocabulary, and the goodput model that picks k.
+"""Acceptance metrics in vLLM's vocabulary, and the tokens a step emits at a given k.
 
 Counters follow `vllm/v1/spec_decode/metrics.py` (peers.md §2.1): one *draft* per spec step,
 `num_draft_tokens += k`, `num_accepted_tokens += a` (bonus/correction not counted), and a
@@ -15,16 +15,12 @@ it proposed instead: the unconditional denominator at i is the number of steps w
 and the conditional one the number of those that also accepted positions 0..i-1. With one
 k for every step both reduce to vLLM's formulas exactly.
 
-Goodput (peers.md §2.6, accept_anchors.md §6): a spec step with k proposals costs
-1 + k*c verifier-step units (c = draft step time / verifier step time) and emits E(k) tokens,
-so the speedup over autoregressive decoding is E(k) / (1 + k*c). The model assumes a
-(k+1)-token verification costs the same as a 1-token step; `recommend_k` says so when a
-measured sweep disagrees.
+E(k) (`expected_accept_length`) is what a step with k proposals emits given the conditional
+rates; what a step costs is measured and modelled in `workbench.analysis.costmodel`.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from workbench.decoding.events import GenerationStats, StepEvent
 
@@ -213,7 +209,7 @@ def stats_table(stats: GenerationStats) -> dict:
     return row
 
 
-# ---- goodput model ------------------------------------------------------------------------
+# ---- tokens per step ------------------------------------------------------------------------
 
 
 def _check_rates(cond_rates: list[float]) -> None:
@@ -240,87 +236,3 @@ def expected_accept_length(cond_rates: list[float], k: int) -> float:
         survive *= cond_rates[min(i, len(cond_rates) - 1)]
         total += survive
     return total
-
-
-def goodput(cond_rates: list[float], k: int, c: float) -> float:
-    """Predicted speedup over autoregressive decoding: E(k) / (1 + k*c)."""
-    if not (math.isfinite(c) and c >= 0):
-        raise ValueError(f"c = {c!r}; expected draft step time / verifier step time >= 0")
-    return expected_accept_length(cond_rates, k) / (1.0 + k * c)
-
-
-@dataclass
-class Recommendation:
-    k: int  # the k with the highest predicted speedup (ties: the smaller k)
-    predicted: dict[int, float]  # k -> predicted speedup E(k)/(1+k*c); k=0 is the baseline 1.0
-    expected_lengths: dict[int, float]  # k -> E(k)
-    reason: str
-    measured_best_k: int | None = None
-    agrees: bool | None = None  # predicted k == measured best k (None: nothing measured)
-    within_noise: bool | None = None  # measured tokens/s at our k within `noise` of the best
-    measured_speedups: dict[int, float] = field(default_factory=dict)  # when k=0 was measured
-
-
-def recommend_k(
-    cond_rates: list[float],
-    c: float,
-    k_max: int = 8,
-    measured: dict[int, float] | None = None,
-    noise: float = 0.03,
-) -> Recommendation:
-    """Pick k by the goodput model and, given a sweep {k: tokens/s}, say whether it agrees."""
-    if k_max < 1:
-        raise ValueError(f"k_max = {k_max}; expected >= 1")
-    lengths = {k: expected_accept_length(cond_rates, k) for k in range(k_max + 1)}
-    predicted = {k: goodput(cond_rates, k, c) for k in range(k_max + 1)}
-    best = max(predicted, key=lambda k: (predicted[k], -k))
-    if best == 0:
-        reason = (f"speculation does not pay: E(1) = {lengths[1]:.3f} tokens for a step costing "
-                  f"{1 + c:.3f} (c = {c:.3f}) is below the autoregressive 1.0")
-    else:
-        reason = (f"k={best} maximises E(k)/(1+k*c) = {lengths[best]:.3f}/{1 + best * c:.3f} "
-                  f"= {predicted[best]:.3f}x at c = {c:.3f}")
-        if best == k_max:
-            reason += f"; the optimum may lie beyond k_max = {k_max}"
-        else:
-            reason += (f"; k={best + 1} would add {lengths[best + 1] - lengths[best]:.3f} tokens "
-                       f"per step for {c:.3f} more cost")
-    rec = Recommendation(k=best, predicted=predicted, expected_lengths=lengths, reason=reason)
-    if measured:
-        _compare_measured(rec, measured, c, noise)
-    return rec
-
-
-def _compare_measured(rec: Recommendation, measured: dict[int, float], c: float, noise: float) -> None:
-    for k, tps in measured.items():
-        if not (isinstance(k, int) and 0 <= k and math.isfinite(tps) and tps >= 0):
-            raise ValueError(f"measured[{k!r}] = {tps!r}; expected k >= 0 -> tokens/s >= 0")
-    m_best = max(measured, key=lambda k: (measured[k], -k))
-    rec.measured_best_k = m_best
-    if 0 in measured and measured[0] > 0:
-        rec.measured_speedups = {k: v / measured[0] for k, v in sorted(measured.items())}
-    ours = rec.k
-    if ours not in measured:  # judge the model on the k values that were measured
-        ours = max((k for k in measured if k in rec.predicted), key=lambda k: (rec.predicted[k], -k), default=ours)
-        rec.reason += f"; k={rec.k} was not measured, comparing its best measured alternative k={ours}"
-    rec.agrees = ours == m_best
-    if rec.agrees:
-        rec.within_noise = True
-        rec.reason += f"; the sweep agrees (k={m_best} measured fastest, {measured[m_best]:.1f} tokens/s)"
-        return
-    gap = 1.0 - measured.get(ours, 0.0) / measured[m_best] if measured[m_best] > 0 else 0.0
-    rec.within_noise = ours in measured and gap <= noise
-    if rec.within_noise:
-        rec.reason += (f"; the sweep's best is k={m_best}, but k={ours} is only {gap:.1%} slower "
-                       f"(within the {noise:.0%} noise band)")
-    elif m_best < ours:
-        rec.reason += (f"; the sweep peaks at smaller k={m_best} ({gap:.1%} faster than k={ours}): on this "
-                       f"device verification cost grows with k (the model charges a (k+1)-token verify "
-                       f"like a 1-token step) or the draft costs more than c = {c:.3f}")
-    else:
-        rec.reason += (f"; the sweep keeps improving up to k={m_best} ({gap:.1%} faster than k={ours}): the "
-                       f"draft is cheaper than c = {c:.3f} here, or these prompts accept more than the "
-                       f"rates given")
-    if rec.measured_speedups and ours in rec.measured_speedups:
-        rec.reason += (f"; at k={ours} measured {rec.measured_speedups[ours]:.3f}x vs predicted "
-                       f"{rec.predicted[ours]:.3f}x")

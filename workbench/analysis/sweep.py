@@ -1,48 +1,45 @@
-"""Measured sweeps over k (and temperature): acceptance, throughput, and the k to serve with.
+"""Measured sweeps over k: acceptance, decode speed with its spread, a fitted step-cost model, and
+the k to serve with, written as vLLM takes it.
 
-For each temperature the autoregressive baseline runs once per prompt, then `SpecDecoder`
-once per prompt for every k, all on the same pair, cache and sampling code, so tokens/s and
-speedup compare like with like. Each k's statistics are `compute_stats` over the events of
-every prompt together (exact pooled counts, not an average of per-prompt rates).
-
-Timing terms (all from the engine's events, prefill excluded):
-- draft forward time  = draft time of the spec steps / draft forwards. A step with k
-  proposals runs k draft forwards (the first over the newly verified tokens, then k-1
-  single-token ones); a step that proposes nothing near the end of the budget still ran one.
-- verify forward time = verify time of the spec steps / spec steps (one verifier forward
-  over k+1 tokens each, acceptance included); for the baseline, per one-token decode step.
-- c = draft forward time / verify forward time: the cost of one draft forward in units of
-  one verifier forward, the `c` of the goodput model E(k) / (1 + k*c).
-tokens/s is generated tokens over wall time per generation (prefill included, for the
-baseline alike), and speedup is that over the baseline's tokens/s at the same temperature.
+Per temperature, the autoregressive baseline and every k are arms of one `protocol.measure` run
+(warmed up, interleaved per prompt, R repeats). Each point's acceptance statistics are
+`compute_stats` over the first repeat's events (the same seed replays the same tokens); its
+tokens/s and speedup are decode-only medians with a bootstrap interval. A point whose speedup
+exceeds what physics allows (`bound`) is marked as a measurement error and left out of the
+recommendation. The step-cost model (`costmodel`) is fitted on the same run and extrapolated to
+`k_max`.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from workbench.analysis.metrics import Recommendation, compute_stats, recommend_k, stats_table
+from workbench.analysis.costmodel import ModelCurve, model_curve
+from workbench.analysis.metrics import compute_stats, stats_table
+from workbench.analysis.protocol import Arm, Interval, Measurements, Progress, cells_to_separate, measure
 from workbench.decoding.engine import MAX_K, RequestError, SpecDecoder, generate_autoregressive
-from workbench.decoding.events import GenerationResult, GenerationStats, StepEvent
-
-Progress = Callable[[int, int, str], None]
+from workbench.decoding.events import GenerationStats
+from workbench.decoding.sampling import SyntheticAcceptor, check_synthetic_rates
+from workbench.integrations.vllm import spec_decode_metrics, speculative_config, synthetic_acceptance_config
 
 
 @dataclass
 class SweepPoint:
-    """One (temperature, k) cell of a sweep; k = 0 is the autoregressive baseline."""
+    """One (temperature, k) arm; k = 0 is the autoregressive baseline."""
 
     temperature: float
     k: int
-    stats: GenerationStats  # compute_stats over the events of every prompt
-    tokens_per_s: float  # generated tokens / wall seconds, summed over prompts
-    speedup: float  # tokens_per_s / the baseline's at this temperature (1.0 for k = 0)
-    draft_forward_time: float  # seconds per draft forward (0 for the baseline)
-    verify_forward_time: float  # seconds per verifier forward (k+1 tokens; 1 for the baseline)
-    c: float  # draft_forward_time / verify_forward_time (0 for the baseline)
-    draft_forwards: int = 0
-    verify_forwards: int = 0  # spec steps, or the baseline's one-token decode steps
+    stats: GenerationStats  # compute_stats over the first repeat's events, every prompt pooled
+    tokens_per_s: Interval  # decode tokens / decode seconds
+    speedup: Interval  # over the baseline's, paired per cell (1 for k = 0)
+    prefill_ms: float  # median prefill per prompt
+    verify_decodes: float  # a verify forward of k+1 tokens / t_decode (the baseline's decode wall per token)
+    draft_decodes: float  # a draft forward / t_decode
+    overhead_decodes: float  # a step's host work / t_decode
+    bound: float  # the most speedup physics allows: accept_length * t_decode / t_verify
+    error: str | None = None  # set when the measured speedup exceeds `bound` beyond its spread
+    model_speedup: float | None = None
     per_prompt_accept_length: list[float] = field(default_factory=list)
     matches_baseline: int | None = None  # temperature 0: prompts whose tokens equal the baseline's
 
@@ -53,18 +50,37 @@ class SweepPoint:
     def row(self) -> dict:
         """One flat dict: the point's scalars, then the stats' `<list>_<i>` columns."""
         head = {"temperature": self.temperature, "k": self.k, "accept_length": self.accept_length,
-                "tokens_per_s": self.tokens_per_s, "speedup": self.speedup,
-                "draft_forward_time": self.draft_forward_time, "verify_forward_time": self.verify_forward_time,
-                "c": self.c, "draft_forwards": self.draft_forwards, "verify_forwards": self.verify_forwards,
-                "matches_baseline": self.matches_baseline}
+                "tokens_per_s": self.tokens_per_s.median, "tokens_per_s_lo": self.tokens_per_s.lo,
+                "tokens_per_s_hi": self.tokens_per_s.hi, "speedup": self.speedup.median,
+                "speedup_lo": self.speedup.lo, "speedup_hi": self.speedup.hi, "model_speedup": self.model_speedup,
+                "bound": self.bound, "error": self.error, "prefill_ms": self.prefill_ms,
+                "verify_decodes": self.verify_decodes, "draft_decodes": self.draft_decodes,
+                "overhead_decodes": self.overhead_decodes, "matches_baseline": self.matches_baseline}
         rest = {f"stats_{n}": v for n, v in stats_table(self.stats).items()
                 if n not in ("accept_length", "tokens_per_s")}
         return {**head, **rest}
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["accept_length"] = self.accept_length
-        return d
+        return {**self.row(), "tokens_per_s": self.tokens_per_s.to_dict(), "speedup": self.speedup.to_dict(),
+                "stats": self.stats.to_dict(), "per_prompt_accept_length": self.per_prompt_accept_length}
+
+
+@dataclass
+class Recommendation:
+    """The k to serve with, as the measurement decides it, and what the model says."""
+
+    k: int  # the fastest measured arm (0: do not speculate)
+    decided: bool  # every other candidate is slower beyond the interval
+    tied: list[int]  # candidates that cannot be told apart from k at this sample size
+    runner_up: int | None
+    margin: Interval | None  # k's speedup minus the runner-up's, paired per cell
+    prompts_to_separate: int | None  # prompts (at these repeats) that would separate k from the runner-up
+    model_k: int
+    model_margin: tuple[float, float, float]  # the model's best minus its runner-up: point, lo, hi
+    agrees: bool  # the model's best is k or one of the candidates tied with it
+    set_aside: list[int]  # ks whose measurement broke physics
+    reason: str
+    outputs: dict  # vLLM: speculative_config, synthetic acceptance, per-request metrics
 
 
 @dataclass
@@ -72,11 +88,16 @@ class SweepResult:
     ks: list[int]
     temperatures: list[float]
     num_prompts: int
+    repeats: int
     max_new_tokens: int
     seed: int
     attention: str
+    acceptance: str  # "draft", or the synthetic rates the arms accepted with (timing only)
+    acceptance_rules: dict[float, str]  # per temperature: the rule's name, as SpecDecoder says it
     points: list[SweepPoint]  # per temperature: the baseline (k = 0), then each k in order
-    pooled: dict[float, GenerationStats]  # per temperature: compute_stats over every k's spec steps
+    models: dict[float, ModelCurve]
+    draft: str = "draft"  # what speculative_config names as the model
+    measurements: dict[float, Measurements] = field(default_factory=dict, repr=False)
 
     def point(self, temperature: float, k: int) -> SweepPoint:
         for p in self.points:
@@ -85,25 +106,8 @@ class SweepResult:
         raise KeyError(f"no sweep point at temperature {temperature} and k = {k}; "
                        f"measured temperatures {self.temperatures}, ks {[0, *self.ks]}")
 
-    def c(self, temperature: float) -> float:
-        """c pooled over every k at this temperature (total draft time per draft forward over
-        total verify time per verifier forward), which is what the recommendation uses."""
-        spec = [p for p in self.points if p.temperature == temperature and p.k > 0]
-        forwards, steps = sum(p.draft_forwards for p in spec), sum(p.verify_forwards for p in spec)
-        draft = sum(p.stats.draft_time for p in spec) / forwards if forwards else 0.0
-        verify = sum(p.stats.verify_time for p in spec) / steps if steps else 0.0
-        return draft / verify if verify else 0.0
-
     def recommendation(self, temperature: float) -> Recommendation:
-        """`recommend_k` from the pooled conditional rates and c, checked against measured tokens/s
-        (k = 0 is the baseline, so "do not speculate" is a measured option too)."""
-        self.point(temperature, 0)  # raises for a temperature that was not swept
-        rates = self.pooled[temperature].conditional_acceptance
-        if not rates:
-            raise ValueError(f"temperature {temperature}: no speculative step was measured (max_new_tokens = "
-                             f"{self.max_new_tokens}); expected at least one to estimate acceptance rates")
-        measured = {p.k: p.tokens_per_s for p in self.points if p.temperature == temperature}
-        return recommend_k(rates, self.c(temperature), k_max=max(self.ks), measured=measured)
+        return _recommend(self, temperature)
 
     def rows(self) -> list[dict]:
         """Flat dicts, one per (temperature, k), for a DataFrame or CSV."""
@@ -112,48 +116,44 @@ class SweepResult:
     def to_dict(self) -> dict:
         recs = {}
         for t in self.temperatures:
-            try:
-                recs[str(t)] = asdict(self.recommendation(t))
-            except ValueError as e:
-                recs[str(t)] = {"error": str(e)}
+            r = self.recommendation(t)
+            recs[str(t)] = {**{f: getattr(r, f) for f in ("k", "decided", "tied", "runner_up", "prompts_to_separate",
+                                                          "model_k", "agrees", "set_aside", "reason", "outputs")},
+                            "margin": r.margin.to_dict() if r.margin else None,
+                            "model_margin": dict(zip(("point", "lo", "hi"), r.model_margin))}
         return {
             "ks": self.ks, "temperatures": self.temperatures, "num_prompts": self.num_prompts,
-            "max_new_tokens": self.max_new_tokens, "seed": self.seed, "attention": self.attention,
+            "repeats": self.repeats, "max_new_tokens": self.max_new_tokens, "seed": self.seed,
+            "attention": self.attention, "acceptance": self.acceptance,
+            "acceptance_rules": {str(t): r for t, r in self.acceptance_rules.items()},
             "points": [p.to_dict() for p in self.points],
-            "pooled": {str(t): s.to_dict() for t, s in self.pooled.items()},
-            "c": {str(t): self.c(t) for t in self.temperatures},
+            "models": {str(t): m.to_dict() for t, m in self.models.items()},
             "recommendations": recs,
+            "cells": {str(t): m.cells_dict() for t, m in self.measurements.items()},
         }
 
     def summary(self) -> str:
-        lines = [f"sweep: {self.num_prompts} prompts, max_new_tokens {self.max_new_tokens}, "
-                 f"ks {self.ks}, attention {self.attention}"]
+        lines = [f"sweep: {self.num_prompts} prompts x {self.repeats} repeats, max_new_tokens {self.max_new_tokens}, "
+                 f"ks {self.ks}, attention {self.attention}, acceptance {self.acceptance}"]
         for t in self.temperatures:
             base = self.point(t, 0)
-            lines.append(f"\ntemperature {t}: autoregressive {base.tokens_per_s:.1f} tok/s "
-                         f"({base.verify_forward_time * 1e3:.1f} ms per step)")
-            lines.append(f"{'k':>3} {'accept':>7} {'tok/s':>8} {'speedup':>8} {'c':>6}  per-position "
-                         f"(unconditional / conditional)")
+            lines.append(f"\ntemperature {t} ({self.acceptance_rules[t]}): autoregressive {base.tokens_per_s} tok/s "
+                         f"(decode), prefill {base.prefill_ms:.1f} ms")
+            lines.append(f"{'k':>3} {'accept':>7} {'tok/s [95%]':>22} {'speedup [95%]':>22} {'model':>6} "
+                         f"{'verify':>6} {'draft':>6} {'host':>6}  (costs in decodes)")
             for p in self.points:
                 if p.temperature != t or p.k == 0:
                     continue
-                s = p.stats
-                pos = " ".join(f"{u:.2f}/{c:.2f}" for u, c in zip(s.per_position_acceptance, s.conditional_acceptance))
-                lines.append(f"{p.k:>3} {p.accept_length:>7.3f} {p.tokens_per_s:>8.1f} {p.speedup:>7.2f}x "
-                             f"{p.c:>6.3f}  {pos}")
-            try:
-                rec = self.recommendation(t)
-                lines.append(f"recommended k = {rec.k}: {rec.reason}")
-            except ValueError as e:
-                lines.append(f"no recommendation: {e}")
+                lines.append(f"{p.k:>3} {p.accept_length:>7.3f} {str(p.tokens_per_s):>22} {str(p.speedup):>22} "
+                             f"{p.model_speedup:>6.2f} {p.verify_decodes:>6.2f} {p.draft_decodes:>6.3f} "
+                             f"{p.overhead_decodes:>6.3f}" + (f"  MEASUREMENT ERROR: {p.error}" if p.error else ""))
+            lines.append(self.recommendation(t).reason)
         return "\n".join(lines)
 
 
-def _check_inputs(pair, prompts, ks, temperatures, max_new_tokens) -> tuple[list[int], list[float]]:
+def _check_inputs(pair, ks, temperatures, max_new_tokens, synthetic_rates) -> tuple[list[int], list[float]]:
     if getattr(pair, "draft", None) is None:
         raise RequestError("run_sweep: the pair has no draft; expected a verifier + EAGLE-3 draft pair")
-    if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) and p for p in prompts):
-        raise ValueError("run_sweep: argument 'prompts'; expected a non-empty list of non-empty strings")
     ks = list(ks)
     if not ks or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K for k in ks):
         raise ValueError(f"run_sweep: argument 'ks' = {ks!r}; expected integers in [1, {MAX_K}]")
@@ -163,73 +163,165 @@ def _check_inputs(pair, prompts, ks, temperatures, max_new_tokens) -> tuple[list
     if not temps or any(not math.isfinite(t) or t < 0 for t in temps) or len(set(temps)) != len(temps):
         raise ValueError(f"run_sweep: argument 'temperatures' = {list(temperatures)!r}; "
                          "expected distinct numbers >= 0")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"run_sweep: argument 'max_new_tokens' = {max_new_tokens!r}; expected an integer >= 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 2:
+        raise ValueError(f"run_sweep: argument 'max_new_tokens' = {max_new_tokens!r}; expected an integer >= 2 "
+                         "(the first token comes from the prefill)")
+    if synthetic_rates is not None:
+        check_synthetic_rates(synthetic_rates, max(ks))
     return sorted(ks), temps
 
 
-def _point(temperature: float, k: int, results: list[GenerationResult], base_tps: float | None,
-           baseline: list[GenerationResult] | None) -> SweepPoint:
-    events: list[StepEvent] = [e for r in results for e in r.events]
-    elapsed = sum(r.stats.elapsed for r in results)
-    stats = compute_stats(events, elapsed=elapsed, num_tokens=sum(len(r.tokens) for r in results))
-    if k == 0:
-        steps = [e for e in events if e.kind == "decode"]
-        verify = sum(e.verify_time for e in steps) / len(steps) if steps else 0.0
-        return SweepPoint(temperature, 0, stats, stats.tokens_per_s, 1.0, 0.0, verify, 0.0, 0, len(steps))
-    spec = [e for e in events if e.kind == "spec"]
-    forwards = sum(max(e.k, 1) for e in spec)  # k = 0 near the budget's end still ran one draft forward
-    draft = sum(e.draft_time for e in spec) / forwards if forwards else 0.0
-    verify = sum(e.verify_time for e in spec) / len(spec) if spec else 0.0
-    matches = None
-    if temperature == 0 and baseline is not None:
-        matches = sum(r.tokens == b.tokens for r, b in zip(results, baseline))
-    return SweepPoint(
-        temperature, k, stats, stats.tokens_per_s, stats.tokens_per_s / base_tps if base_tps else 0.0,
-        draft, verify, draft / verify if verify else 0.0, forwards, len(spec),
-        per_prompt_accept_length=[r.stats.accept_length for r in results], matches_baseline=matches)
+def _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates) -> tuple[list[Arm], str]:
+    def spec_arm(k: int) -> Arm:
+        acceptor = SyntheticAcceptor(synthetic_rates[:k]) if synthetic_rates is not None else None
+        # Unfused: the cost model needs the draft's time apart from the verify's (a fused step times both as one).
+        dec = SpecDecoder(pair, num_speculative_tokens=k, temperature=t, seed=seed, attention=attention,
+                          acceptor=acceptor, fused=False)
+        return Arm(f"k={k}", k, lambda prompt: dec.generate(prompt, max_new_tokens))
+
+    base = Arm("autoregressive", 0, lambda prompt: generate_autoregressive(pair, prompt, max_new_tokens, temperature=t,
+                                                                           seed=seed, attention=attention))
+    spec = [spec_arm(k) for k in ks]
+    rule = SpecDecoder(pair, num_speculative_tokens=max(ks), temperature=t, seed=seed, attention=attention,
+                       acceptor=SyntheticAcceptor(synthetic_rates) if synthetic_rates is not None else None,
+                       fused=False).acceptance_rule
+    return [base, *spec], rule
+
+
+def _points(m: Measurements, t: float, curve: ModelCurve) -> list[SweepPoint]:
+    base = m.arms[0].name
+    first = {a.name: m.results[a.name][0] for a in m.arms}  # repeat 0: [prompt] -> result
+    base_t = m.cell_timings(base)
+    t_dec = curve.model.t_decode
+    dec_fwd = sum(x.verify_s for x in base_t) / max(sum(x.steps for x in base_t), 1)  # a decode's forward alone
+    points = []
+    for a in m.arms:
+        ts = m.cell_timings(a.name)
+        steps = sum(x.steps for x in ts) or 1
+        verify, draft = sum(x.verify_s for x in ts) / steps, sum(x.draft_s for x in ts)
+        forwards = sum(x.draft_forwards for x in ts)
+        host = (sum(x.decode_s for x in ts) - sum(x.verify_s for x in ts) - draft) / steps
+        stats = compute_stats([e for r in first[a.name] for e in r.events],
+                              num_tokens=sum(len(r.tokens) for r in first[a.name]))
+        speedup = m.ratio(a.name, base) if a.k else Interval(1.0, 1.0, 1.0, 1.0, 1.0)
+        bound = stats.accept_length * min(1.0, dec_fwd / verify) if a.k and verify > 0 else 1.0
+        error = None
+        if a.k and speedup.lo > bound:
+            error = (f"speedup {speedup} exceeds accept_length x t_decode / t_verify = {bound:.3f} beyond its spread "
+                     "(a verify costs at least a decode): the arms did not run under the same conditions")
+        matches = None
+        if t == 0 and a.k:
+            matches = sum(r.tokens == b.tokens for r, b in zip(first[a.name], first[base]))
+        points.append(SweepPoint(
+            t, a.k, stats, m.rate(a.name), speedup, m.prefill_s(a.name) * 1e3, verify / t_dec if a.k else 1.0,
+            draft / forwards / t_dec if forwards else 0.0, host / t_dec if a.k else 0.0, bound, error,
+            curve.speedup.get(a.k), [r.stats.accept_length for r in first[a.name]], matches))
+    return points
 
 
 def run_sweep(pair, prompts: Sequence[str], ks: Sequence[int], temperatures: Sequence[float] = (0.0,),
-              max_new_tokens: int = 64, attention: str = "auto", seed: int = 0,
-              progress: Progress | None = None) -> SweepResult:
-    """Measure the baseline and every k at every temperature on the same prompts.
+              max_new_tokens: int = 64, attention: str = "auto", seed: int = 0, progress: Progress | None = None,
+              repeats: int = 3, warmup: bool = True, synthetic_rates: Sequence[float] | None = None,
+              k_max: int | None = None, draft_name: str | None = None) -> SweepResult:
+    """Measure the baseline and every k at every temperature under `protocol.measure`.
 
-    `progress(i, n, label)` is called before each of the n generations (i = 0..n-1) and once
-    more with i = n at the end, for a progress bar.
+    `synthetic_rates` (vLLM's unconditional per-position rates) replaces the draft's acceptance by
+    `SyntheticAcceptor`: the machine's cost curve for a draft of that quality, outputs not lossless.
+    `k_max` (default: the largest k, at least 8) is how far the cost model extrapolates.
+    `progress(i, n, label)` as `protocol.measure` calls it, over every temperature's generations.
     """
-    ks, temps = _check_inputs(pair, prompts, ks, temperatures, max_new_tokens)
-    prompts = list(prompts)
-    n = len(temps) * len(prompts) * (len(ks) + 1)
-    done = 0
+    ks, temps = _check_inputs(pair, ks, temperatures, max_new_tokens, synthetic_rates)
+    k_max = max(max(ks), 8) if k_max is None else k_max
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or not max(ks) <= k_max <= MAX_K:
+        raise ValueError(f"run_sweep: argument 'k_max' = {k_max!r}; expected an integer in [{max(ks)}, {MAX_K}]")
+    points, models, rules, ms = [], {}, {}, {}
+    per_t = len(prompts) * repeats * (len(ks) + 1) if isinstance(prompts, (list, tuple)) else 0
+    for i, t in enumerate(temps):
+        arms, rules[t] = _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates)
+        tick = None if progress is None else (lambda j, n, s, i=i, t=t: progress(i * per_t + j, per_t * len(temps),
+                                                                                 f"T={t} {s}"))
+        m = ms[t] = measure(arms, prompts, repeats, warmup, tick)
+        models[t] = model_curve(m, arms[0].name, {a.k: a.name for a in arms[1:]}, k_max)
+        points += _points(m, t, models[t])
+    acceptance = "draft" if synthetic_rates is None else f"synthetic {list(synthetic_rates)}"
+    return SweepResult(ks, temps, len(prompts), repeats, max_new_tokens, seed, pair.with_attention(attention).attention,
+                       acceptance, rules, points, models, draft_name or pair.draft_dir or "draft", ms)
 
-    def tick(label: str) -> None:
-        if progress is not None:
-            progress(done, n, label)
 
-    points: list[SweepPoint] = []
-    pooled: dict[float, GenerationStats] = {}
-    for t in temps:
-        baseline = []
-        for i, prompt in enumerate(prompts):
-            tick(f"T={t} autoregressive, prompt {i + 1}/{len(prompts)}")
-            baseline.append(generate_autoregressive(pair, prompt, max_new_tokens, temperature=t, seed=seed,
-                                                    attention=attention))
-            done += 1
-        base = _point(t, 0, baseline, None, None)
-        points.append(base)
-        spec_events: list[StepEvent] = []
-        for k in ks:
-            # Unfused: the goodput model needs the draft's cost apart from the verify's (a fused step times both as one).
-            dec = SpecDecoder(pair, num_speculative_tokens=k, temperature=t, seed=seed, attention=attention, fused=False)
-            results = []
-            for i, prompt in enumerate(prompts):
-                tick(f"T={t} k={k}, prompt {i + 1}/{len(prompts)}")
-                results.append(dec.generate(prompt, max_new_tokens))
-                done += 1
-            points.append(_point(t, k, results, base.tokens_per_s, baseline))
-            spec_events += [e for r in results for e in r.events if e.kind == "spec"]
-        pooled[t] = compute_stats(spec_events)
-    tick("done")
-    return SweepResult(ks, temps, len(prompts), max_new_tokens, seed, pair.with_attention(attention).attention, points,
-                       pooled)
+def _recommend(res: SweepResult, t: float) -> Recommendation:
+    res.point(t, 0)  # raises for a temperature that was not swept
+    m, curve = res.measurements[t], res.models[t]
+    pts = [p for p in res.points if p.temperature == t]
+    set_aside = [p.k for p in pts if p.error]
+    cands = [p for p in pts if not p.error]
+    best = max(cands, key=lambda p: (p.speedup.pooled, -p.k))  # pooled: consistent with the pooled differences
+    name = {p.k: ("autoregressive" if p.k == 0 else f"k={p.k}") for p in pts}
+
+    def diff(p) -> Interval:
+        return m.difference(name[best.k], name[p.k], "autoregressive")
+
+    diffs = {p.k: diff(p) for p in cands if p.k != best.k}
+    tied = sorted(k for k, d in diffs.items() if d.lo <= 0)
+    # the runner-up: the closest candidate (among those tied with the best, if any)
+    runner = min(tied or diffs, key=lambda k: (diffs[k].pooled, k)) if diffs else None
+    margin = diffs.get(runner)
+    needed = [cells_to_separate(diffs[k], len(m.cells)) for k in tied]
+    prompts = None if not tied or None in needed else math.ceil(max(needed) / res.repeats)
+    agrees = curve.best in [best.k, *tied]
+    reason = _reason(res, t, best, tied, runner, margin, prompts, curve, agrees, set_aside)
+    return Recommendation(best.k, not tied, tied, runner, margin, prompts, curve.best, curve.margin, agrees,
+                          set_aside, reason, _outputs(res, t, best.k))
+
+
+def _reason(res, t, best, tied, runner, margin, prompts, curve, agrees, set_aside) -> str:
+    size = f"{res.num_prompts} prompts x {res.repeats} repeats"
+    if tied:
+        others = " and ".join(f"k={k}" for k in tied)
+        out = (f"Too few samples to decide: k={best.k} cannot be told apart from {others} at {size} "
+               f"(k={best.k} minus k={runner}: {_diff(margin)})")
+        if prompts is None or prompts > 10_000:
+            out += "; no practical sample size separates them: for serving they are equal"
+        else:
+            out += f"; about {prompts} prompts (x {res.repeats} repeats) would separate them"
+        out += f". Fastest measured: k={best.k} ({best.speedup}x)."
+    elif runner is None:
+        out = f"Recommended k = {best.k}: the only arm left standing ({size})"
+    else:
+        out = (f"Recommended k = {best.k}: {best.speedup}x, ahead of k={runner} by {_diff(margin)} "
+               f"(speedup difference, 95% interval, {size})")
+    lo, hi = curve.lo[curve.best], curve.hi[curve.best]
+    out += (f" The step-cost model's best is k={curve.best} ({curve.speedup[curve.best]:.2f}x [{lo:.2f}, {hi:.2f}], "
+            f"ahead of k={curve.runner_up} by {curve.margin[0]:.3f} [{curve.margin[1]:.3f}, {curve.margin[2]:.3f}])"
+            + ("; the measurement agrees." if agrees else "; the measurement does not agree."))
+    if curve.best > max(res.ks):
+        out += f" k={curve.best} is past the measured ks: an extrapolation."
+    if set_aside:
+        out += f" Set aside as measurement errors: k={set_aside}."
+    return out
+
+
+def _diff(d: Interval) -> str:
+    return f"{d.pooled:+.3f} [{d.lo:+.3f}, {d.hi:+.3f}]"
+
+
+def _outputs(res: SweepResult, t: float, k: int) -> dict:
+    """What a vLLM user pastes for k: the speculative_config, its acceptance replayed as synthetic, and the
+    per-request spec-decode metrics (vLLM's `metrics.speculative_decoding`) of each prompt and pooled.
+    For k = 0 they are the fastest speculative k's, with a note that serving without a draft was faster."""
+    note = None
+    if k == 0:
+        k = max((p for p in res.points if p.temperature == t and p.k), key=lambda p: (p.speedup.pooled, -p.k)).k
+        note = f"speculation did not pay here (autoregressive was fastest); with the draft, k = {k} was fastest"
+    p = res.point(t, k)
+    rates = list(p.stats.per_position_acceptance)
+    for i in range(1, len(rates)):  # vLLM asks for non-increasing rates; a short last step can break that by a hair
+        rates[i] = min(rates[i], rates[i - 1])
+    first = res.measurements[t].results[f"k={k}"][0]
+    return {
+        "k": k, "note": note,
+        "speculative_config": speculative_config(res.draft, k),
+        "synthetic_acceptance": synthetic_acceptance_config(res.draft, k, rates=[round(r, 4) for r in rates]),
+        "synthetic_acceptance_length": synthetic_acceptance_config(res.draft, k, length=round(p.accept_length, 4)),
+        "spec_decode_metrics": spec_decode_metrics(p.stats, k),
+        "per_request_spec_decode_metrics": [spec_decode_metrics(r.stats, k) for r in first],
+    }

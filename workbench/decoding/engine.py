@@ -18,7 +18,8 @@ from workbench.decoding.fused import FusedGreedyStep
 from workbench.decoding.healing import Healing, first_piece, heal
 from workbench.decoding.proposers import EagleProposer, NgramProposer, Proposer
 from workbench.decoding.logits import Context, bad_word_sequences
-from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingError, SamplingParams, acceptor_for,
+from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingError, SamplingParams, SyntheticAcceptor,
+                                         acceptor_for, check_synthetic_rates,
                                          check_finite, next_token, shown_prob)
 from workbench.decoding.step import ProposeVerifyAccept, Step
 
@@ -133,6 +134,8 @@ class SpecDecoder:
         self.generator = torch.Generator().manual_seed(seed)
         self.attention = pair.attention
         self.acceptor = acceptor if not isinstance(acceptor, (str, type(None))) else acceptor_for(self.params, acceptor)
+        if isinstance(self.acceptor, SyntheticAcceptor):
+            check_synthetic_rates(self.acceptor.rates, k)
         if proposer == "eagle":
             if pair.draft is None:
                 raise RequestError("proposer 'eagle' needs a draft; this pair has none (use proposer='ngram')")

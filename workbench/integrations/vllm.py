@@ -57,6 +57,43 @@ def speculative_config(draft: str, k: int = 3, method: str = "eagle3") -> dict:
     return {"model": draft, "method": method, "num_speculative_tokens": k}
 
 
+def synthetic_acceptance_config(draft: str, k: int, rates: list[float] | None = None, length: float | None = None,
+                                method: str = "eagle3") -> dict:
+    """`speculative_config` that replays an acceptance at a deployment's own speed: vLLM's
+    `rejection_sample_method: "synthetic"` with exactly one of `synthetic_acceptance_rates` (k
+    unconditional per-position rates, in [0, 1], non-increasing) or `synthetic_acceptance_length`
+    (in [1, k + 1]), the rules `SpeculativeConfig._resolve_synthetic_acceptance_rates` enforces."""
+    spec = speculative_config(draft, k, method)
+    if (rates is None) == (length is None):
+        raise ValueError("synthetic acceptance: expected exactly one of rates or length, as vLLM requires")
+    spec["rejection_sample_method"] = "synthetic"
+    if rates is not None:
+        rates = [float(r) for r in rates]
+        if len(rates) != k or not all(0.0 <= r <= 1.0 for r in rates) or any(b > a for a, b in zip(rates, rates[1:])):
+            raise ValueError(f"synthetic_acceptance_rates = {rates}; expected {k} non-increasing rates in [0, 1]")
+        spec["synthetic_acceptance_rates"] = rates
+    else:
+        if not 1.0 <= length <= k + 1:
+            raise ValueError(f"synthetic_acceptance_length = {length}; expected a value in [1, {k + 1}]")
+        spec["synthetic_acceptance_length"] = float(length)
+    return spec
+
+
+def spec_decode_metrics(stats, k: int) -> dict:
+    """A `GenerationStats` as vLLM's per-request `metrics.speculative_decoding` (vLLM #48915, summary
+    level): `acceptance_histogram[j]` is the verify steps that accepted exactly j draft tokens."""
+    hist = list(stats.accepted_length_histogram) + [0] * (k + 1 - len(stats.accepted_length_histogram))
+    return {
+        "mean_acceptance_length": stats.accept_length,
+        "draft_acceptance_rate": stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0,
+        "acceptance_histogram": hist[:k + 1],
+        "num_spec_steps": stats.num_drafts,
+        "num_accepted_draft_tokens": stats.num_accepted_tokens,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_spec_tokens": k,
+    }
+
+
 def serve_command(
     verifier: str,
     draft: str,

@@ -1,0 +1,172 @@
+"""What a speculative step costs on this machine, from the terms measured in the same run.
+
+In units of one autoregressive decode (`t_decode`: the baseline's decode wall seconds per token),
+a step with k proposals costs
+
+    step_cost(k) = t_verify(k+1 tokens) / t_decode + k * c_draft + overhead(k)
+
+where t_verify is the verifier's forward over k+1 tokens (acceptance included), c_draft one draft
+forward, and overhead the step's host work (emitting tokens, events). The verify term is fitted
+as a line in the tokens it verifies and the overhead as a line in k, so the model extrapolates
+past the measured ks. With E(k) the tokens a step emits (from the pooled conditional rates),
+
+    speedup(k) = E(k) / step_cost(k).
+
+Error bars are a bootstrap over the measurement's cells: the whole fit is redone on each
+resample.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from workbench.analysis.metrics import expected_accept_length
+from workbench.analysis.protocol import BOOTSTRAP, CONFIDENCE, Measurements, Timing
+from workbench.decoding.events import StepEvent
+
+MODEL_RESAMPLES = BOOTSTRAP // 4  # each resample refits the model: fewer, still a stable 95% interval
+
+
+@dataclass(frozen=True)
+class Line:
+    """y = a + b * x, least squares; b = 0 where fewer than two x were measured."""
+
+    a: float
+    b: float
+
+    @classmethod
+    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> "Line":
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+        return cls(my - b * mx, b)
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+
+def acceptance_counts(events: Sequence[StepEvent], depth: int) -> tuple[list[int], list[int]]:
+    """(accepted, reached) per draft position: steps that accepted position i, and steps that proposed
+    i with positions 0..i-1 accepted; their ratio is the conditional rate (EAGLE's alpha)."""
+    acc, reached = [0] * depth, [0] * depth
+    for e in events:
+        if e.kind != "spec":
+            continue
+        for i in range(min(e.k, depth)):
+            if e.num_accepted >= i:
+                reached[i] += 1
+            if e.num_accepted > i:
+                acc[i] += 1
+    return acc, reached
+
+
+@dataclass
+class CostModel:
+    t_decode: float  # seconds per autoregressive decode token
+    verify: Line  # t_verify / t_decode against the tokens verified (k + 1)
+    c_draft: float  # one draft forward / t_decode
+    overhead: Line  # host work per step / t_decode against k
+    rates: list[float]  # pooled conditional acceptance rates per position
+    measured_ks: list[int]
+
+    def step_cost(self, k: int) -> float:
+        return self.verify(k + 1) + k * self.c_draft + self.overhead(k)
+
+    def accept_length(self, k: int) -> float:
+        return expected_accept_length(self.rates, k) if self.rates else 1.0
+
+    def speedup(self, k: int) -> float:
+        return self.accept_length(k) / self.step_cost(k) if k else 1.0
+
+    def to_dict(self) -> dict:
+        return {"t_decode_s": self.t_decode, "verify_decodes": {"a": self.verify.a, "per_token": self.verify.b},
+                "c_draft": self.c_draft, "overhead_decodes": {"a": self.overhead.a, "per_k": self.overhead.b},
+                "conditional_rates": self.rates, "measured_ks": self.measured_ks}
+
+
+def _sums(ts: Sequence[Timing]) -> dict[str, float]:
+    return {f: sum(getattr(t, f) for t in ts) for f in ("decode_tokens", "decode_s", "steps", "verify_s", "draft_s",
+                                                       "draft_forwards")}
+
+
+def fit_cost_model(m: Measurements, base: str, spec: dict[int, str], cells: Sequence[int] | None = None) -> CostModel:
+    """The model from the baseline arm `base` and the speculative arms `spec` ({k: arm name}),
+    over `cells` (indices into `m.cells`; all by default)."""
+    idx = list(range(len(m.cells))) if cells is None else list(cells)
+
+    def timings(arm: str) -> list[Timing]:
+        ts = m.cell_timings(arm)
+        return [ts[i] for i in idx]
+
+    b = _sums(timings(base))
+    t_dec = b["decode_s"] / b["decode_tokens"] if b["decode_tokens"] else 0.0
+    if t_dec <= 0:
+        raise ValueError("the baseline decoded no token after its prefill; expected max_new_tokens >= 2")
+    ks, verify, over, draft_s, forwards = [], [], [], 0.0, 0.0
+    events: list[StepEvent] = []
+    for k, arm in sorted(spec.items()):
+        s = _sums(timings(arm))
+        if not s["steps"]:
+            continue
+        ks.append(k)
+        verify.append(s["verify_s"] / s["steps"] / t_dec)
+        over.append((s["decode_s"] - s["verify_s"] - s["draft_s"]) / s["steps"] / t_dec)
+        draft_s, forwards = draft_s + s["draft_s"], forwards + s["draft_forwards"]
+        results = [m.results[arm][r][p] for r, p in (m.cells[i] for i in idx)]
+        events += [e for res in results for e in res.events]
+    if not ks:
+        raise ValueError("no speculative step was measured; expected max_new_tokens >= 2")
+    depth = max(ks)
+    acc, reached = acceptance_counts(events, depth)
+    rates = [a / r if r else 0.0 for a, r in zip(acc, reached)]
+    return CostModel(t_dec, Line.fit([k + 1 for k in ks], verify), draft_s / forwards / t_dec if forwards else 0.0,
+                     Line.fit(ks, over), rates, ks)
+
+
+@dataclass
+class ModelCurve:
+    """The model's speedup for k = 0..k_max, with a bootstrap interval per k."""
+
+    model: CostModel
+    ks: list[int]
+    speedup: dict[int, float]
+    lo: dict[int, float]
+    hi: dict[int, float]
+    best: int
+    runner_up: int
+    margin: tuple[float, float, float]  # best minus runner-up: on every cell, and its interval over resamples
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.to_dict(), "speedup": self.speedup, "lo": self.lo, "hi": self.hi,
+                "best_k": self.best, "runner_up_k": self.runner_up,
+                "margin": dict(zip(("point", "lo", "hi"), self.margin))}
+
+
+def model_curve(m: Measurements, base: str, spec: dict[int, str], k_max: int,
+                resamples: int = MODEL_RESAMPLES) -> ModelCurve:
+    """Fit on every cell, then on `resamples` bootstrap resamples of the cells for the error bars."""
+    import random
+
+    model = fit_cost_model(m, base, spec)
+    ks = list(range(0, k_max + 1))
+    point = {k: model.speedup(k) for k in ks}
+    order = sorted(ks, key=lambda k: (-point[k], k))
+    best, runner = order[0], order[1]
+    rng, n = random.Random(1), len(m.cells)
+    curves, margins = {k: [] for k in ks}, []
+    for _ in range(resamples):
+        fit = fit_cost_model(m, base, spec, [rng.randrange(n) for _ in range(n)])
+        for k in ks:
+            curves[k].append(fit.speedup(k))
+        margins.append(fit.speedup(best) - fit.speedup(runner))
+    tail = (1 - CONFIDENCE) / 2
+
+    def q(xs: list[float], f: float) -> float:
+        s = sorted(xs)
+        return s[min(len(s) - 1, max(0, round(f * (len(s) - 1))))]
+
+    lo = {k: q(curves[k], tail) for k in ks}
+    hi = {k: q(curves[k], 1 - tail) for k in ks}
+    margin = (point[best] - point[runner], q(margins, tail), q(margins, 1 - tail))
+    return ModelCurve(model, ks, point, lo, hi, best, runner, margin)
