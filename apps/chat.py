@@ -75,10 +75,20 @@ class Settings:
     seed: int = 0
     use_draft: bool = True  # False: autoregressive decoding with the verifier alone
     heal: bool = True  # token healing: a prompt that ends in "\n" or a space continues as typed
+    acceptor: str = "auto"  # "auto" (greedy at T = 0, rejection sampling above), "rejection" or "block"
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+ACCEPTORS = ("auto", "rejection", "block")
+
+
+def decoder(pair: wb.ModelPair, s: Settings) -> wb.SpecDecoder:
+    """The speculative decoder every path of the chat uses for these settings."""
+    return wb.SpecDecoder(pair, s.k, s.temperature, s.top_p, seed=s.seed,
+                          acceptor=None if s.acceptor == "auto" else s.acceptor)
 
 
 def _as_int(name: str, value: object, lo: int, hi: int) -> int:
@@ -89,15 +99,18 @@ def _as_int(name: str, value: object, lo: int, hi: int) -> int:
 
 
 def make_settings(k: int | float, temperature: float, top_p: float, max_new_tokens: int | float,
-                  seed: int | float | None, use_draft: bool = True, heal: bool = True) -> Settings:
+                  seed: int | float | None, use_draft: bool = True, heal: bool = True,
+                  acceptor: str = "auto") -> Settings:
     """Settings from raw widget values (sliders may send 3.0 for 3); bad values raise RequestError."""
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise wb.RequestError(f"temperature = {temperature!r}; expected a finite number >= 0")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise wb.RequestError(f"top_p = {top_p!r}; expected a number in (0, 1]")
+    if acceptor not in ACCEPTORS:
+        raise wb.RequestError(f"acceptor = {acceptor!r}; expected one of {', '.join(ACCEPTORS)}")
     return Settings(_as_int("num_speculative_tokens", k, 1, MAX_UI_K), float(temperature), float(top_p),
                     _as_int("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS),
-                    _as_int("seed", seed, 0, 2**63 - 1), bool(use_draft), bool(heal))
+                    _as_int("seed", seed, 0, 2**63 - 1), bool(use_draft), bool(heal), acceptor)
 
 
 # ---- rendering (pure) ------------------------------------------------------------------------
@@ -217,6 +230,7 @@ class Answer:
     events: list[wb.StepEvent] = field(default_factory=list)
     baseline: list[wb.StepEvent] | None = None
     race: Measurements | None = None  # race mode: both ways timed back to back
+    rule: str = "none (autoregressive)"  # the acceptance rule, as SpecDecoder names it
     phase: str = "speculative"  # "speculative" | "autoregressive" | "baseline" | "done"
 
     @property
@@ -250,8 +264,7 @@ def _autoregressive(pair: wb.ModelPair, prompt: str, s: Settings) -> wb.Generati
 def step_events(pair: wb.ModelPair, prompt: str, s: Settings) -> Iterator[wb.StepEvent]:
     """The steps of one answer: streamed from the speculative decoder, or the autoregressive run's."""
     if s.use_draft:
-        yield from wb.SpecDecoder(pair, s.k, s.temperature, s.top_p, seed=s.seed).stream(prompt, s.max_new_tokens,
-                                                                                         heal=s.heal)
+        yield from decoder(pair, s).stream(prompt, s.max_new_tokens, heal=s.heal)
     else:
         yield from _autoregressive(pair, prompt, s).events
 
@@ -263,6 +276,8 @@ def run_turn(pair: wb.ModelPair, conv: Conversation, s: Settings, race: bool = F
     """
     prompt = pair.tokenizer.format_prompt(conv.history)
     answer = Answer(prompt, s, phase="speculative" if s.use_draft else "autoregressive")
+    if s.use_draft:
+        answer.rule = decoder(pair, s).acceptance_rule
     for ev in step_events(pair, prompt, s):
         if not answer.events:
             conv.answers.append(answer)
@@ -281,7 +296,7 @@ def run_turn(pair: wb.ModelPair, conv: Conversation, s: Settings, race: bool = F
 
 def race_arms(pair: wb.ModelPair, prompt: str, s: Settings) -> Measurements:
     """Both ways on this prompt, timed as the sweep times them (the pair is warm from the answer)."""
-    dec = wb.SpecDecoder(pair, s.k, s.temperature, s.top_p, seed=s.seed)
+    dec = decoder(pair, s)
     arms = [Arm("autoregressive", 0, lambda p: _autoregressive(pair, p, s)),
             Arm("speculative", s.k, lambda p: dec.generate(p, s.max_new_tokens, heal=s.heal))]
     return measure(arms, [prompt], repeats=1, warmup=False)
@@ -336,8 +351,7 @@ def api_result(pair: wb.ModelPair, prompt: str, s: Settings) -> wb.GenerationRes
     text = pair.tokenizer.format_prompt([{"role": "user", "content": prompt}])
     if not s.use_draft:
         return _autoregressive(pair, text, s)
-    return wb.SpecDecoder(pair, s.k, s.temperature, s.top_p, seed=s.seed).generate(text, s.max_new_tokens,
-                                                                                   heal=s.heal)
+    return decoder(pair, s).generate(text, s.max_new_tokens, heal=s.heal)
 
 
 # ---- the UI ----------------------------------------------------------------------------------
@@ -380,6 +394,8 @@ def _layout(defaults: Settings) -> SimpleNamespace:
                 ui.max_new = gr.Slider(1, MAX_NEW_TOKENS, value=defaults.max_new_tokens, step=1, label="max new tokens",
                                        elem_id="max-new")
                 ui.seed = gr.Number(defaults.seed, precision=0, label="seed", minimum=0)
+                ui.acceptor = gr.Dropdown(list(ACCEPTORS), value=defaults.acceptor, elem_id="acceptor",
+                                          label="acceptance rule (auto: greedy at T = 0, rejection sampling above)")
                 with gr.Row():
                     ui.use_draft = gr.Checkbox(defaults.use_draft, label="draft on", elem_id="use-draft")
                     ui.show_rejected = gr.Checkbox(False, label="show rejected", elem_id="show-rejected")
@@ -419,15 +435,16 @@ def build_demo(pair_args: PairSpec = PairSpec(), defaults: Settings = Settings()
             c.history.append({"role": "user", "content": message})
             return "", history_html(c.history), status_html("running", "generating…"), render_answer("", []), "", c
 
-        def respond(c: Conversation, k, temperature, top_p, max_new, seed, use_draft, rejected, race):
+        def respond(c: Conversation, k, temperature, top_p, max_new, seed, use_draft, rejected, race, acceptor):
             plot_at, answer = 0.0, None
             try:
-                s = make_settings(k, temperature, top_p, max_new, seed, use_draft)
+                s = make_settings(k, temperature, top_p, max_new, seed, use_draft, acceptor=acceptor)
                 for answer in run_turn(get_pair(pair_args), c, s, race):
                     done = answer.phase == "done"
                     live = done or time.monotonic() >= plot_at
                     plot_at = time.monotonic() + PLOT_EVERY_S if live else plot_at
-                    state = ("done", "done") if done else ("running", f"running: {answer.phase}…")
+                    state = ("done", f"done · acceptance: {answer.rule}") if done else \
+                        ("running", f"running: {answer.phase}…")
                     yield _view(c, answer, rejected, live, state)
             except (ValueError, RuntimeError) as e:  # RequestError, SamplingError, ContextLengthError, torch
                 gr.Warning(html.escape(str(e)))
@@ -446,21 +463,21 @@ def build_demo(pair_args: PairSpec = PairSpec(), defaults: Settings = Settings()
 
         def generate(prompt: str, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                      max_new_tokens: int = 64, seed: int = 0, use_draft: bool = True,
-                     heal: bool = True) -> tuple[str, dict]:
-            """Continue `prompt`; returns (text, {finish_reason, num_tokens, k, stats}). k is ignored without
-            the draft. The prompt is formatted as in the chat (plain text when there is no chat template) and,
-            as there, healed unless `heal` is False."""
+                     heal: bool = True, acceptor: str = "auto") -> tuple[str, dict]:
+            """Continue `prompt`; returns (text, {finish_reason, num_tokens, k, acceptance_rule, stats}). k and
+            acceptor ("auto", "rejection", "block") are ignored without the draft. The prompt is formatted as
+            in the chat (plain text when there is no chat template) and, as there, healed unless `heal` is False."""
             try:
-                s = make_settings(k, temperature, top_p, max_new_tokens, seed, use_draft, heal)
+                s = make_settings(k, temperature, top_p, max_new_tokens, seed, use_draft, heal, acceptor)
                 res = api_result(get_pair(pair_args), prompt, s)
             except ValueError as e:
                 raise gr.Error(str(e)) from e
             return res.text, {"finish_reason": res.finish_reason, "num_tokens": len(res.tokens), "k": res.k,
-                              "stats": res.stats.to_dict()}
+                              "acceptance_rule": res.acceptance_rule, "stats": res.stats.to_dict()}
 
         hidden = dict(api_visibility="undocumented")  # UI events; the public API is /generate
         inputs = [ui.conv, ui.k, ui.temperature, ui.top_p, ui.max_new, ui.seed, ui.use_draft, ui.show_rejected,
-                  ui.race]
+                  ui.race, ui.acceptor]
         echo = [ui.prompt, ui.history, ui.run_state, ui.tokens, ui.answer_text, ui.conv]
         runs = [trigger(start_turn, [ui.prompt, ui.conv], echo, queue=False, **hidden)
                 .success(respond, inputs, _outputs(ui), **hidden) for trigger in (ui.send.click, ui.prompt.submit)]

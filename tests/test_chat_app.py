@@ -114,10 +114,11 @@ def pair():
 
 
 @functools.lru_cache(maxsize=None)
-def _library(prompt: str, k: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> wb.GenerationResult:
+def _library(prompt: str, k: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             acceptor: str | None = None) -> wb.GenerationResult:
     """What `workbench generate --json --heal --k K --seed S` returns for `prompt` (computed once per file):
     the chat heals prompts by default."""
-    dec = wb.SpecDecoder(chat.get_pair(chat.PairSpec()), k, temperature, top_p, seed=seed)
+    dec = wb.SpecDecoder(chat.get_pair(chat.PairSpec()), k, temperature, top_p, seed=seed, acceptor=acceptor)
     return dec.generate(prompt, NEW, heal=True)
 
 
@@ -150,6 +151,16 @@ def test_stats_figures_show_the_library_numbers(pair):
 def test_bad_settings_name_the_field(args, field):
     with pytest.raises(wb.RequestError, match=field):
         chat.make_settings(*args)
+
+
+def test_the_acceptance_rule_is_chosen_and_named(pair):
+    with pytest.raises(wb.RequestError, match="acceptor = 'typical'; expected one of auto, rejection, block"):
+        chat.make_settings(2, 0.8, 1, 8, 0, acceptor="typical")
+    conv = chat.Conversation(history=[{"role": "user", "content": "x = ["}])
+    s = chat.make_settings(2, 0.8, 1, 8, 3, acceptor="block")
+    answer = list(chat.run_turn(pair, conv, s))[-1]
+    ref = wb.SpecDecoder(pair, 2, 0.8, 1.0, seed=3, acceptor="block").generate("x = [", 8, heal=True)
+    assert answer.rule == ref.acceptance_rule == "block (greedy draft, one-hot q)" and answer.text == ref.text
 
 
 def test_turns_race_and_conversation_stats(pair):
@@ -220,11 +231,15 @@ def _client(url: str):
 
 def test_api_matches_the_library(app_url, pair):
     client = _client(app_url)
-    for k, temperature, top_p, seed in [(3, 0.0, 1.0, 0), (2, 0.9, 0.95, 7)]:
-        text, info = client.predict(PROMPT, k, temperature, top_p, NEW, seed, True, api_name="/generate")
-        ref = _library(PROMPT, k, temperature, top_p, seed)
+    for k, temperature, top_p, seed, acceptor in [(3, 0.0, 1.0, 0, "auto"), (2, 0.9, 0.95, 7, "auto"),
+                                                  (2, 0.9, 0.95, 7, "block")]:
+        text, info = client.predict(PROMPT, k, temperature, top_p, NEW, seed, True, True, acceptor,
+                                    api_name="/generate")
+        ref = _library(PROMPT, k, temperature, top_p, seed, None if acceptor == "auto" else acceptor)
         assert text == ref.text and info["k"] == k and info["num_tokens"] == len(ref.tokens)
         assert info["stats"]["num_draft_tokens"] == ref.stats.num_draft_tokens
+        assert info["acceptance_rule"] == ref.acceptance_rule
+    assert info["acceptance_rule"].startswith("block (greedy draft, one-hot q)")
     from gradio_client.exceptions import AppError
 
     with pytest.raises(AppError, match="num_speculative_tokens"):
@@ -335,6 +350,7 @@ def test_browser_streams_colours_and_matches_generate(app_url, pair):
                 page.locator("#show-rejected input").check()
                 page.locator("#race-mode input").check()
             _answer(page, prompt, answers_before=1 + i)  # the stopped answer stays in the conversation
+            assert "acceptance: greedy" in page.locator("#run-state").text_content()  # the run names its rule
             ref = _library(prompt, 2)
             assert page.locator("#answer-text textarea").input_value() == ref.text
             assert page.locator("#tokens kbd").text_content() == prompt  # markup shown as text, never executed

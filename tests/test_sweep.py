@@ -144,6 +144,11 @@ def test_temperatures_and_validation(tmp_path):
     assert res.point(0.8, 2).matches_baseline is None and res.point(0.0, 2).matches_baseline in (0, 1)
     assert "rejection (greedy draft, one-hot q)" == res.acceptance_rules[0.8] and res.acceptance_rules[0.0] == "greedy"
     assert "temperature 0.8" in res.summary()
+    block = run_sweep(pair, ["def f(x):"], ks=[2], temperatures=[0.8], max_new_tokens=5, repeats=1, acceptor="block",
+                      draft_sampling="sample")
+    assert block.acceptance_rules[0.8] == "block (sampled draft, its real q)"
+    with pytest.raises(ValueError, match="expected one of them"):
+        run_sweep(pair, ["x"], ks=[2], acceptor="block", synthetic_rates=[0.5])
     for bad, match in [(dict(ks=[0]), "ks"), (dict(ks=[17]), "ks"), (dict(ks=[]), "ks"),
                        (dict(ks=[1, 1]), "each k once"), (dict(ks=[1], temperatures=[-1.0]), "temperatures"),
                        (dict(ks=[1], max_new_tokens=1), "max_new_tokens"), (dict(ks=[1], repeats=0), "repeats = 0"),
@@ -157,6 +162,14 @@ def test_temperatures_and_validation(tmp_path):
     with pytest.raises(wb.RequestError, match="no draft"):
         run_sweep(pair.with_draft(None), ["x"], ks=[1])
     assert torch.get_num_threads() == 1
+
+
+def test_cli_generate_names_its_acceptance_rule(capsys):
+    assert main(["generate", "--prompt", "def f(x):", "--k", "2", "--temperature", "0.9", "--acceptor", "block",
+                 "--max-new-tokens", "6", "--repetition-penalty", "1.3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["acceptance_rule"] == "block (greedy draft, one-hot q)"
+    assert main(["generate", "--prompt", "x", "--presence-penalty", "3"]) == 2
+    assert "presence_penalty = 3.0" in capsys.readouterr().err
 
 
 def test_cli_bad_input_names_the_flag(capsys, tmp_path):

@@ -62,19 +62,44 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    _acceptance_args(p)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--allowed-token-ids", default=None, help="comma-separated ids: only these may be sampled")
+    p.add_argument("--banned-token-ids", default=None, help="comma-separated ids that may never be sampled")
+    p.add_argument("--bad-words", action="append", default=[], help="a string never to emit (repeatable)")
+
+
+def _acceptance_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--acceptor", default=None, choices=["greedy", "rejection", "block"],
+                   help="the acceptance rule (default: greedy at temperature 0, rejection sampling above)")
+    p.add_argument("--draft-sampling", default="greedy", choices=["greedy", "sample"],
+                   help="draft proposals as argmaxes (vLLM's default; one-hot q) or sampled with their real q")
+
+
+def _constraints(args) -> dict:
+    """vLLM's penalties and token constraints from the flags (SamplingParams checks their ranges)."""
+    ids = {f: _numbers(f"--{f.replace('_', '-')}", getattr(args, f), int) if getattr(args, f) else None
+           for f in ("allowed_token_ids", "banned_token_ids")}
+    return {"repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
+            "presence_penalty": args.presence_penalty, "allowed_token_ids": ids["allowed_token_ids"],
+            "banned_token_ids": ids["banned_token_ids"] or (), "bad_words": tuple(args.bad_words)}
 
 
 def cmd_generate(args) -> int:
     import workbench as wb
 
+    constraints = _constraints(args)
     pair = _load(args)
     if args.no_draft:
         res = wb.generate_autoregressive(pair, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
                                          args.top_k, args.seed, stop=args.stop, attention=args.attention,
-                                         heal=args.heal)
+                                         heal=args.heal, **constraints)
     else:
         dec = wb.SpecDecoder(pair, args.k, args.temperature, args.top_p, args.top_k, args.seed,
-                             proposer=args.proposer, attention=args.attention, fused=_FUSED[args.fused])
+                             proposer=args.proposer, attention=args.attention, fused=_FUSED[args.fused],
+                             acceptor=args.acceptor, draft_sampling=args.draft_sampling, **constraints)
         res = dec.generate(args.prompt, args.max_new_tokens, stop=args.stop, heal=args.heal)
     if args.json:
         print(json.dumps(res.to_dict()))
@@ -82,7 +107,7 @@ def cmd_generate(args) -> int:
         print(args.prompt + res.text)
         s = res.stats
         print(f"\n[{len(res.tokens)} tokens, accept length {s.accept_length:.2f}, {s.tokens_per_s:.1f} tok/s, "
-              f"finish: {res.finish_reason}]", file=sys.stderr)
+              f"finish: {res.finish_reason}, acceptance: {res.acceptance_rule}]", file=sys.stderr)
     return 0
 
 
@@ -169,7 +194,8 @@ def cmd_sweep(args) -> int:
     pair = _load(args)
     res = run_sweep(pair, prompts, ks=ks, temperatures=temps, max_new_tokens=args.max_new_tokens,
                     attention=args.attention, seed=args.seed, repeats=args.repeats, synthetic_rates=rates,
-                    k_max=args.k_max, draft_name=args.draft_name, warmup=not args.no_warmup)
+                    k_max=args.k_max, draft_name=args.draft_name, warmup=not args.no_warmup,
+                    acceptor=args.acceptor, draft_sampling=args.draft_sampling)
     print(json.dumps(res.to_dict()) if args.json else res.summary())
     return 0
 
@@ -295,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (after a warm-up)")
     p.add_argument("--no-warmup", action="store_true", help="time every arm's first, cold generation too")
+    _acceptance_args(p)
     p.add_argument("--synthetic-rates", default=None,
                    help="accept with these unconditional per-position rates instead of the draft's (timing "
                         "only, not lossless), e.g. 0.9,0.8,0.7")

@@ -171,21 +171,20 @@ def _check_inputs(pair, ks, temperatures, max_new_tokens, synthetic_rates) -> tu
     return sorted(ks), temps
 
 
-def _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates) -> tuple[list[Arm], str]:
-    def spec_arm(k: int) -> Arm:
-        acceptor = SyntheticAcceptor(synthetic_rates[:k]) if synthetic_rates is not None else None
+def _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates, acceptor, draft_sampling):
+    def decoder(k: int, rates) -> SpecDecoder:
         # Unfused: the cost model needs the draft's time apart from the verify's (a fused step times both as one).
-        dec = SpecDecoder(pair, num_speculative_tokens=k, temperature=t, seed=seed, attention=attention,
-                          acceptor=acceptor, fused=False)
+        return SpecDecoder(pair, num_speculative_tokens=k, temperature=t, seed=seed, attention=attention,
+                           acceptor=SyntheticAcceptor(rates) if rates is not None else acceptor,
+                           draft_sampling=draft_sampling, fused=False)
+
+    def spec_arm(k: int) -> Arm:
+        dec = decoder(k, synthetic_rates[:k] if synthetic_rates is not None else None)
         return Arm(f"k={k}", k, lambda prompt: dec.generate(prompt, max_new_tokens))
 
     base = Arm("autoregressive", 0, lambda prompt: generate_autoregressive(pair, prompt, max_new_tokens, temperature=t,
                                                                            seed=seed, attention=attention))
-    spec = [spec_arm(k) for k in ks]
-    rule = SpecDecoder(pair, num_speculative_tokens=max(ks), temperature=t, seed=seed, attention=attention,
-                       acceptor=SyntheticAcceptor(synthetic_rates) if synthetic_rates is not None else None,
-                       fused=False).acceptance_rule
-    return [base, *spec], rule
+    return [base, *(spec_arm(k) for k in ks)], decoder(max(ks), synthetic_rates).acceptance_rule
 
 
 def _points(m: Measurements, t: float, curve: ModelCurve) -> list[SweepPoint]:
@@ -222,22 +221,28 @@ def _points(m: Measurements, t: float, curve: ModelCurve) -> list[SweepPoint]:
 def run_sweep(pair, prompts: Sequence[str], ks: Sequence[int], temperatures: Sequence[float] = (0.0,),
               max_new_tokens: int = 64, attention: str = "auto", seed: int = 0, progress: Progress | None = None,
               repeats: int = 3, warmup: bool = True, synthetic_rates: Sequence[float] | None = None,
-              k_max: int | None = None, draft_name: str | None = None) -> SweepResult:
+              k_max: int | None = None, draft_name: str | None = None, acceptor: str | None = None,
+              draft_sampling: str = "greedy") -> SweepResult:
     """Measure the baseline and every k at every temperature under `protocol.measure`.
 
     `synthetic_rates` (vLLM's unconditional per-position rates) replaces the draft's acceptance by
     `SyntheticAcceptor`: the machine's cost curve for a draft of that quality, outputs not lossless.
-    `k_max` (default: the largest k, at least 8) is how far the cost model extrapolates.
+    `k_max` (default: the largest k, at least 8) is how far the cost model extrapolates. `acceptor`
+    ("greedy", "rejection", "block"; default by temperature) and `draft_sampling` ("greedy", "sample")
+    choose the acceptance rule, as `SpecDecoder` takes them.
     `progress(i, n, label)` as `protocol.measure` calls it, over every temperature's generations.
     """
     ks, temps = _check_inputs(pair, ks, temperatures, max_new_tokens, synthetic_rates)
+    if synthetic_rates is not None and acceptor is not None:
+        raise ValueError(f"run_sweep: acceptor = {acceptor!r} and synthetic_rates given; expected one of them "
+                         "(synthetic rates replace the acceptance rule)")
     k_max = max(max(ks), 8) if k_max is None else k_max
     if isinstance(k_max, bool) or not isinstance(k_max, int) or not max(ks) <= k_max <= MAX_K:
         raise ValueError(f"run_sweep: argument 'k_max' = {k_max!r}; expected an integer in [{max(ks)}, {MAX_K}]")
     points, models, rules, ms = [], {}, {}, {}
     per_t = len(prompts) * repeats * (len(ks) + 1) if isinstance(prompts, (list, tuple)) else 0
     for i, t in enumerate(temps):
-        arms, rules[t] = _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates)
+        arms, rules[t] = _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates, acceptor, draft_sampling)
         tick = None if progress is None else (lambda j, n, s, i=i, t=t: progress(i * per_t + j, per_t * len(temps),
                                                                                  f"T={t} {s}"))
         m = ms[t] = measure(arms, prompts, repeats, warmup, tick)
