@@ -61,3 +61,25 @@ def test_the_rule_sees_a_shadowing_folder(tmp_path):
     assert names_the_test_tree_puts_on_sys_path(tree) == {"kernels", "test_y"}
     (tree / "__init__.py").write_text("")
     assert names_the_test_tree_puts_on_sys_path(tree) == {"tests"}
+
+
+LONG = 60  # lines: a function longer than this says why in its first comment
+
+
+def test_long_functions_say_why():
+    """Every function over 60 lines in workbench/ and apps/ opens (after its docstring) with a
+    `# long: ...` comment giving the reason it is not split."""
+    import ast
+
+    silent = []
+    for path in sorted([*(REPO / "workbench").rglob("*.py"), *(REPO / "apps").rglob("*.py")]):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.end_lineno - node.lineno + 1 <= LONG:
+                continue
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            start = node.body[0].end_lineno if body is not node.body else node.lineno
+            between = lines[start:body[0].lineno - 1] if body else []
+            if not any(ln.strip().startswith("# long:") for ln in between):
+                silent.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not silent, "functions over 60 lines without a '# long:' reason: " + "; ".join(silent)

@@ -589,6 +589,7 @@ def save_state(tensors: dict[str, torch.Tensor], directory: str | Path, *,
     name and renamed, and model*.safetensors files of an earlier save that this one does not
     rewrite are removed, so the directory never mixes two saves.
     """
+    # long: the sharding, the tied-weight dedup and the index file are one format, written in one pass
     directory = Path(directory)
     if not tensors:
         raise ValueError(f"{directory}: nothing to save; expected at least one tensor")

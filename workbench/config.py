@@ -344,6 +344,7 @@ class DraftConfig(MLADims):
 
     @classmethod
     def from_hf(cls, d: dict, source: str = "config.json", num_target_layers: int | None = None) -> "DraftConfig":
+        # long: every field is read and checked in one place, so each error names its file and field
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
         archs = d.get("architectures") or []

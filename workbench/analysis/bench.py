@@ -167,6 +167,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
               fused: bool | None = None, components: int = 0) -> dict:
     """Every prompt speculatively and autoregressively, alternating which goes first; with
     `components` > 0, also `step_components` on the first prompt, that many calls of each part."""
+    # long: the timing loop and the report it fills share their locals; split, they would travel as arguments
     import workbench as wb
 
     dec = wb.SpecDecoder(pair, num_speculative_tokens=k, attention=attention, fused=fused)

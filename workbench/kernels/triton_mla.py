@@ -124,6 +124,7 @@ def _mla_split_kernel(
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
     PAGED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    # long: one kernel, in the order Triton's tutorials write theirs (offsets, loads, online softmax, store)
     pid_b = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_split = tl.program_id(2)
@@ -342,6 +343,7 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     seq_lens values are not checked on the host (the kernel clamps them to the cache
     capacity so a bad value cannot read out of bounds).
     """
+    # long: checks, grid and the two launches (split, then combine) belong together
     # 1. check constraints
     shapes = check_mla_inputs(q_lat, q_pe, cache, seq_lens, block_table)
     device = q_lat.device

@@ -93,6 +93,7 @@ class PretrainArgs:
 
 
 def pretrain(args: PretrainArgs, log=print) -> dict:
+    # long: the whole training loop reads top to bottom, as nanoGPT's train.py does
     from workbench.pair import save_model
     from workbench.training.corpus import load_split
 
