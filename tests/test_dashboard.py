@@ -6,6 +6,7 @@ a closed port.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -151,6 +152,35 @@ def test_kv_cache_page(app):
     assert not at.exception and at.metric[0].value == "1.25 KiB"  # 8 layers x (64 + 16) values x 2 bytes
 
 
+def test_pd_panel(app):
+    """Bytes per request by mode and draft kind (Kimi-K2 at a 4K prompt, bf16), acceptance by mode on the
+    embedded pair and its MHA twin, and the check that both roles run the same speculative config."""
+    from workbench.analysis.kvcache import KIMI_K2_MLA_DRAFT, KIMI_K2_VERIFIER, handover_bytes, mha_equivalent
+
+    at = on(app, "views/kv_cache.py")
+    table = at.table[0].value
+    assert list(table["mode"]) == ["full", "recompute", "cold"] * 2
+    full = handover_bytes(KIMI_K2_VERIFIER, KIMI_K2_MLA_DRAFT, 4096, "full")
+    mha = handover_bytes(KIMI_K2_VERIFIER, mha_equivalent(KIMI_K2_MLA_DRAFT), 4096, "full")
+    assert list(table["page layouts"]) == [1, 1, 1, 2, 2, 2]
+    assert table["draft KV"][0] == f"{full['draft_kv'] / 2**20:.2f} MiB" and table["draft KV"][3] == \
+        f"{mha['draft_kv'] / 2**20:.2f} MiB"
+    assert "Both roles run the same speculative config" in at.success[0].value
+    cfg = json.loads(at.text_area(key="pd_decode_cfg").value)
+    at.text_area(key="pd_decode_cfg").set_value(json.dumps(dict(cfg, num_speculative_tokens=2))).run()
+    assert "num_speculative_tokens: prefill 3, decode 2" in at.error[0].value
+    at.text_area(key="pd_decode_cfg").set_value("{not json").run()
+    assert "Could not read a role's config" in at.error[0].value
+    at.number_input(key="pd_n").set_value(1)
+    at.number_input(key="pd_long").set_value(128)
+    at.number_input(key="pd_new").set_value(8)
+    at.button(key="pd_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    measured = at.dataframe[1].value  # after the memory table
+    assert len(measured) == 2 * 2 * 3 and all(measured["identical"] == measured["num_prompts"])
+    assert list(measured["mode"])[:3] == ["full", "recompute", "cold"] and len(charts(at)) == 2
+
+
 # ---- Live vLLM ------------------------------------------------------------------------------
 
 
@@ -229,6 +259,35 @@ def test_live_vllm_closed_port(app):
 # ---- a real browser -------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def streamlit_server(env: dict):
+    """The dashboard served by a real `streamlit run` on a free port, until the block ends."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true", "--server.port", str(port),
+         "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                pytest.fail(f"streamlit did not start: {server.stdout.read().decode()[-2000:]}")
+            time.sleep(0.5)
+        yield port
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -259,23 +318,7 @@ def test_browser_tuning_page_matches_the_cli(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert cli.returncode == 0, cli.stderr
     want = {p["k"]: p for p in json.loads(cli.stdout)["points"]}
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true", "--server.port", str(port),
-         "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                pytest.fail(f"streamlit did not start: {server.stdout.read().decode()[-2000:]}")
-            time.sleep(0.5)
+    with streamlit_server(env) as port:
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=[
                 "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
@@ -311,9 +354,40 @@ def test_browser_tuning_page_matches_the_cli(tmp_path):
         assert shot.stat().st_size > 20_000
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, SCREENSHOT)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
+
+
+@pytest.mark.browser
+def test_browser_pd_panel(tmp_path):
+    """The KV-cache page's prefill/decode panel in a real browser: bytes by mode, a measured run, the role
+    check flagging a mismatch; the screenshot is kept."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with streamlit_server(dict(os.environ, OMP_NUM_THREADS="1")) as port:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"http://127.0.0.1:{port}/kv_cache", timeout=TIMEOUT * 1000)
+            page.get_by_text("Prefill/decode disaggregation").wait_for(timeout=TIMEOUT * 1000)
+            for label, value in (("Prompts", "2"), ("Long prompt tokens", "256"), ("New tokens", "16")):
+                box = page.get_by_label(label, exact=True)
+                box.fill(value)
+                box.press("Enter")
+                page.wait_for_timeout(500)
+            page.get_by_role("button", name="Measure acceptance by mode").click()
+            page.get_by_text("Accept length by hand-over mode").wait_for(timeout=2 * TIMEOUT * 1000)
+            decode = page.get_by_label("Decode role")
+            decode.fill(decode.input_value().replace('"num_speculative_tokens": 3', '"num_speculative_tokens": 2'))
+            decode.press("Control+Enter")
+            page.get_by_text("Mismatch between the roles").wait_for(timeout=TIMEOUT * 1000)
+            modes = page.locator('[data-testid="stTable"] tbody tr').evaluate_all(
+                "rows => rows.map(r => r.querySelectorAll('td')[1].textContent.trim())")
+            page.get_by_text("Prefill/decode disaggregation").scroll_into_view_if_needed()
+            page.set_viewport_size({"width": 1400, "height": 2600})
+            page.wait_for_timeout(2000)
+            shot = tmp_path / "pd.png"
+            page.screenshot(path=str(shot))
+            browser.close()
+    assert modes == ["full", "recompute", "cold"] * 2 and shot.stat().st_size > 20_000
+    shutil.copy(shot, SCREENSHOT.parent / "pd.png")

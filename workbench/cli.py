@@ -207,6 +207,27 @@ def _numbers(flag: str, text: str, kind: type) -> list:
         raise ValueError(f"{flag} = {text!r}; expected comma-separated {kind.__name__}s, e.g. 1,2,3") from None
 
 
+def cmd_pd(args) -> int:
+    from workbench.analysis.pd import long_prompts, pd_study
+
+    prompts = read_prompts(args.prompts, args.limit)
+    pair = _load(args)
+    if pair.draft is None:
+        raise ValueError("workbench pd: the pair has no draft; expected --draft DIR (or the embedded pair)")
+    pairs = {pair.draft.attention_kind: pair}
+    if args.mha_draft:
+        pairs["mha"] = pair.with_draft(args.mha_draft)
+    sets = {"short": prompts}
+    if args.long_tokens:
+        if not 1 < args.long_tokens < pair.context_length - args.max_new_tokens:
+            raise ValueError(f"--long-tokens = {args.long_tokens}; expected 2..{pair.context_length - args.max_new_tokens - 1}"
+                             f" (the context is {pair.context_length} tokens, {args.max_new_tokens} of them to generate)")
+        sets["long"] = long_prompts(pair, prompts, args.long_tokens, args.long_count)
+    report = pd_study(pairs, sets, k=args.k, max_new_tokens=args.max_new_tokens)
+    print(json.dumps(report.to_dict()) if args.json else report.summary())
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from workbench.analysis.doctor import diagnose
 
@@ -329,6 +350,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-name", default=None, help="the draft's name in the printed speculative_config")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser("pd", help="prefill/decode disaggregation: acceptance and bytes per hand-over mode")
+    _pair_args(p, dtype_default=None)
+    p.add_argument("--prompts", default=str(REPO / "assets/prompts/code.jsonl"))
+    p.add_argument("--limit", type=int, default=16)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--mha-draft", default=str(REPO / "assets/tiny-kimi/draft-mha"),
+                   help="an MHA draft of the same verifier to compare ('' for none)")
+    p.add_argument("--long-tokens", type=int, default=0, help="also prompts of this many tokens (0: none)")
+    p.add_argument("--long-count", type=int, default=4)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_pd)
 
     p = sub.add_parser("doctor", help="probe a draft/verifier pairing for silent misconfiguration")
     _pair_args(p)

@@ -77,6 +77,15 @@ def speedup_fig(result, temperature: float) -> go.Figure:
     return _layout(fig, f"Speedup vs autoregressive (T={temperature})", "k", "x autoregressive")
 
 
+def pd_fig(frame) -> go.Figure:
+    """Accept length per hand-over mode, for each draft and prompt set (a `pd_study` table)."""
+    fig = go.Figure()
+    for (draft, prompts), g in frame.groupby(["draft", "prompts"], sort=False):
+        fig.add_bar(x=g["mode"], y=g["accept_length"], name=f"{draft.upper()}, {prompts} prompts")
+    fig.update_layout(barmode="group")
+    return _layout(fig, "Accept length by hand-over mode", "mode", "tokens per verifier step")
+
+
 def per_position_fig(point) -> go.Figure:
     s = point.stats
     pos = list(range(1, len(s.per_position_acceptance) + 1))

@@ -155,3 +155,26 @@ def memory_table(
                 "mha_over_mla": m / d,
             })
     return rows
+
+
+HANDOVER_MODES = ("full", "recompute", "cold")  # workbench.decoding.disagg.MODES
+
+
+def handover_bytes(vcfg: VerifierConfig, dcfg: DraftConfig, prompt_len: int, mode: str, dtype_bytes: int = 2) -> dict:
+    """The bytes a request's prefill-to-decode hand-over carries (`workbench.decoding.disagg`), from configs.
+
+    Every mode: the verifier's KV of the prompt and the aux states of its last position (what the
+    draft fuses to propose). "full" adds the draft's KV of every prompt position but the last;
+    "recompute" the aux states of every prompt position instead. `page_layouts` is 1 where the
+    draft's rows fit the verifier's page (an MLA draft of the same latent width), else 2."""
+    if mode not in HANDOVER_MODES:
+        raise ValueError(f"mode = {mode!r}; expected one of {', '.join(HANDOVER_MODES)}")
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+        raise ValueError(f"prompt_len = {prompt_len!r}; expected an integer >= 1")
+    aux_row = len(dcfg.aux_layer_ids) * vcfg.hidden_size * dtype_bytes
+    out = {"verifier_kv": bytes_per_token(vcfg, dtype_bytes) * prompt_len, "last_aux": aux_row,
+           "draft_kv": bytes_per_token(dcfg, dtype_bytes) * (prompt_len - 1) if mode == "full" else 0,
+           "prompt_aux": aux_row * prompt_len if mode == "recompute" else 0}
+    out["total"] = sum(out.values())
+    out["page_layouts"] = 1 if dcfg.attention == "mla" and dcfg.cache_row == vcfg.cache_row else 2
+    return out

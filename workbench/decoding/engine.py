@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.cache import KVCache
 from workbench.decoding.events import GenerationResult, StepEvent
 from workbench.decoding.fused import FusedGreedyStep
 from workbench.decoding.healing import Healing, first_piece, heal
@@ -193,23 +194,39 @@ class SpecDecoder:
         under autograd the verifier would record a graph, and speculation would be measured
         against a baseline that pays none.
         """
+        req = self.request(prompt, max_new_tokens, stop, max_len, heal)
+        out, cache, first, event = self.prefill(req)
+        verified = req.prompt_ids + [first]
+        self.step.begin(verified, out, cache)
+        yield event
+        yield from self.steps(verified, cache)
+
+    def request(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
+                max_len: int | None = None, heal: bool = False) -> _Request:
+        """A checked request; the decoder's generator is reseeded and its emitter starts empty."""
         req = _validate_common(self.pair, prompt, max_new_tokens, stop, max_len, heal)
         self.generator.manual_seed(self.seed)
-        pair, k = self.pair, self.k
-        cache = pair.verifier_cache(self.cache_rows(len(req.prompt_ids), max_new_tokens, req.max_len))
-        em = self._emitter = _Emitter(pair, req)
+        self._emitter = _Emitter(self.pair, req)
+        return req
 
+    def prefill(self, req: _Request):
+        """The prompt's forward into a new cache and the first token: (verifier output, cache, token, event)."""
+        pair, em = self.pair, self._emitter
+        cache = pair.verifier_cache(self.cache_rows(len(req.prompt_ids), req.max_new_tokens, req.max_len))
         t = time.perf_counter()
         out = pair.verifier(torch.tensor([req.prompt_ids], device=pair.device), cache, logits_to_keep=1)
         logits = req.first_logits(out.logits[0, -1])
         check_finite(logits, "verifier logits at the prompt's last position")
         first = next_token(logits, self.params, self.generator, Context(req.prompt_ids))
         piece = em.add(first)
-        verified = req.prompt_ids + [first]
-        self.step.begin(verified, out, cache)
-        yield StepEvent(step=0, kind="prefill", emitted=[first], emitted_text=[piece], emitted_status=["bonus"],
-                        emitted_verifier_probs=[shown_prob(logits, self.params, first, Context(req.prompt_ids))],
-                        position=len(req.prompt_ids), verify_time=time.perf_counter() - t, finish_reason=em.finish)
+        event = StepEvent(step=0, kind="prefill", emitted=[first], emitted_text=[piece], emitted_status=["bonus"],
+                          emitted_verifier_probs=[shown_prob(logits, self.params, first, Context(req.prompt_ids))],
+                          position=len(req.prompt_ids), verify_time=time.perf_counter() - t, finish_reason=em.finish)
+        return out, cache, first, event
+
+    def steps(self, verified: list[int], cache: KVCache) -> Iterator[StepEvent]:
+        """The speculative steps after the prefill (`self.step` begun on `verified` and `cache`)."""
+        pair, k, em = self.pair, self.k, self._emitter
         step = 0
         while em.finish is None:
             step += 1

@@ -55,6 +55,7 @@ class EagleProposer:
         self.name = f"eagle3-{draft.attention_kind}"
         self.cache = None
         self.seen = 0  # positions whose draft rows were computed from verifier states
+        self.base = 0  # positions before it have no draft row (a cold start): cache row i is position base + i
         self.chain_k = 0  # the longest greedy chain run so far (see propose)
 
     @property
@@ -66,15 +67,26 @@ class EagleProposer:
         if self.cache is None or self.cache.max_len < max_len:
             self.cache = self.draft.new_cache(max_len)
         self.cache.reset()
-        self.seen = 0
+        self.seen = self.base = 0
 
+    def start_at(self, position: int, rows: torch.Tensor | None = None) -> None:
+        """Begin at `position` of a prompt whose earlier verifier states this proposer will not see: with
+        `rows` ([layers, 1, position, width], the draft's own rows for positions 0..position-1, handed
+        over), or cold (None): the draft then attends only to positions from `position` on. Cold rows
+        sit at cache row position - base; RoPE scores depend only on position differences, so that is
+        the same attention as at their absolute positions."""
+        self.cache.reset()
+        if rows is not None:
+            self.cache.rows[:, :, :position] = rows
+            self.cache.length = position
+        self.seen, self.base = position, 0 if rows is not None else position
     def rewind(self, n: int) -> None:
         """Forget the draft's rows from position n on, as if the verifier had seen only n positions:
         the next `propose` takes aux states from there (a benchmark repeats one step this way)."""
-        if not 0 <= n <= self.seen:
-            raise ValueError(f"EAGLE proposer: rewind to {n}; expected 0..{self.seen} (the positions seen)")
+        if not self.base <= n <= self.seen:
+            raise ValueError(f"EAGLE proposer: rewind to {n}; expected {self.base}..{self.seen} (the positions seen)")
         self.seen = n
-        self.cache.truncate(n)
+        self.cache.truncate(n - self.base)
 
     def _prefix_pass(self, ids: torch.Tensor, new_aux: tuple[torch.Tensor, ...]):
         """The first pass over all but the last new position; returns that position's ids and aux states."""
@@ -88,7 +100,7 @@ class EagleProposer:
         if new_aux is None or new_aux[0].shape[1] != n_new:
             raise ValueError(f"EAGLE proposer expected aux states for {n_new} new positions")
         device = self.draft.norm.weight.device
-        self.cache.truncate(self.seen)
+        self.cache.truncate(self.seen - self.base)
         ids = torch.tensor([tokens[self.seen + 1:]], device=device)
         self.seen = len(tokens) - 1
         if self.greedy:  # vLLM's EAGLE: argmax proposals, q = 1

@@ -1,0 +1,141 @@
+"""Prefill/decode disaggregation, simulated in one process: what crosses between the two instances.
+
+The prefill instance runs the verifier's prompt forward (and, in mode "full", the draft's prompt
+pass) and packs what the decode instance needs into a `Handover` of raw bytes, as a KV transport
+would carry them; the decode instance builds fresh caches from those bytes and decodes on. Modes:
+
+- "full":      the verifier's KV and the draft's KV (all but the last prompt position's rows);
+- "recompute": the verifier's KV and the verifier's aux hidden states at every prompt position, from
+               which the decode side re-runs the draft's prompt pass;
+- "cold":      the verifier's KV only: the draft starts from the last prompt position and attends
+               to nothing before it.
+
+Every mode also carries the first token, the last position's aux states (what the draft fuses to
+propose) and the sampler's generator state, so the decode side continues the same random stream.
+Verification is untouched, so every mode is lossless; only acceptance and bytes differ.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from workbench.analysis.kvcache import HANDOVER_MODES as MODES
+from workbench.decoding.engine import SpecDecoder, _Emitter, _result
+from workbench.decoding.events import GenerationResult, StepEvent
+from workbench.decoding.proposers import EagleProposer
+from workbench.decoding.step import ProposeVerifyAccept
+
+
+@dataclass
+class Packed:
+    """A tensor as a transport carries it: its raw bytes, shape and dtype."""
+
+    data: bytes
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "Packed":
+        t = t.detach().cpu().contiguous()
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bf16: ship its bits
+        return cls(raw.numpy().tobytes(), tuple(t.shape), t.dtype)
+
+    def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        wire = torch.int16 if self.dtype == torch.bfloat16 else self.dtype
+        np_dtype = torch.empty(0, dtype=wire).numpy().dtype
+        t = torch.from_numpy(np.frombuffer(self.data, dtype=np_dtype).copy()).reshape(self.shape)
+        return (t.view(torch.bfloat16) if self.dtype == torch.bfloat16 else t).to(device)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass
+class Handover:
+    """What the prefill instance sends for one request."""
+
+    mode: str
+    request: object  # the engine's checked request (prompt ids, budget, stops): metadata, not counted
+    first_token: int
+    first_event: StepEvent
+    verifier_rows: Packed  # [layers, 1, prompt_len, row width]
+    last_aux: tuple[Packed, ...]  # each aux layer's state at the last prompt position
+    draft_rows: Packed | None = None  # "full": [draft layers, 1, prompt_len - 1, draft row width]
+    prompt_aux: tuple[Packed, ...] = ()  # "recompute": each aux layer's states at every prompt position
+    generator_state: bytes = b""
+    prefill_s: float = 0.0
+    bytes_by_part: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bytes_by_part.values())
+
+
+def _check(dec: SpecDecoder, mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode = {mode!r}; expected one of {', '.join(MODES)}")
+    if not isinstance(dec.proposer, EagleProposer) or not isinstance(dec.step, ProposeVerifyAccept):
+        raise ValueError("disaggregation needs an EAGLE draft on the unfused step (SpecDecoder(..., fused=False))")
+
+
+@torch.inference_mode()
+def prefill_instance(dec: SpecDecoder, prompt: str | list[int], max_new_tokens: int = 128, mode: str = "full",
+                     stop: str | list[str] | None = None, heal: bool = False) -> Handover:
+    """The prefill side: the prompt's forward, the first token, and the bytes the decode side needs."""
+    _check(dec, mode)
+    req = dec.request(prompt, max_new_tokens, stop, heal=heal)
+    out, cache, first, event = dec.prefill(req)
+    T = len(req.prompt_ids)
+    aux = out.aux_hidden_states  # each [1, T, H]
+    h = Handover(mode, req, first, event, Packed.of(cache.valid()), tuple(Packed.of(a[:, -1:]) for a in aux),
+                 generator_state=dec.generator.get_state().numpy().tobytes(), prefill_s=event.verify_time)
+    if mode == "full" and T > 1:  # the draft's prompt pass, as the engine runs it before its first chain
+        draft = dec.proposer.draft
+        dcache = draft.new_cache(T)
+        ids = torch.tensor([req.prompt_ids[1:]], device=cache.rows.device)
+        draft(ids, draft.combine_hidden_states(tuple(a[:, :-1] for a in aux)), dcache)
+        h.draft_rows = Packed.of(dcache.valid())
+    if mode == "recompute":
+        h.prompt_aux = tuple(Packed.of(a) for a in aux)
+    h.bytes_by_part = {"verifier_kv": h.verifier_rows.nbytes, "last_aux": sum(p.nbytes for p in h.last_aux),
+                       "draft_kv": h.draft_rows.nbytes if h.draft_rows else 0,
+                       "prompt_aux": sum(p.nbytes for p in h.prompt_aux)}
+    return h
+
+
+@torch.inference_mode()
+def decode_instance(dec: SpecDecoder, h: Handover) -> GenerationResult:
+    """The decode side: caches rebuilt from `h`'s bytes, then the speculative steps, as in one process."""
+    import time
+
+    _check(dec, h.mode)
+    t0 = time.perf_counter()
+    req, pair = h.request, dec.pair
+    dec._emitter = em = _Emitter(pair, req)
+    em.add(h.first_token)
+    dec.generator.set_state(torch.from_numpy(np.frombuffer(h.generator_state, dtype=np.uint8).copy()))
+    T = len(req.prompt_ids)
+    cache = pair.verifier_cache(dec.cache_rows(T, req.max_new_tokens, req.max_len))
+    cache.rows[:, :, :T] = h.verifier_rows.tensor(cache.rows.device)
+    cache.length = T
+    verified = req.prompt_ids + [h.first_token]
+    device = cache.rows.device
+    aux = tuple(p.tensor(device) for p in (h.prompt_aux if h.mode == "recompute" else h.last_aux))
+    dec.step.begin(verified, _Prefilled(aux), cache)
+    if h.mode == "full":
+        rows = h.draft_rows.tensor(device) if h.draft_rows is not None else None
+        dec.proposer.start_at(T - 1, rows if rows is not None else dec.proposer.cache.rows[:, :, :0])
+    elif h.mode == "cold":
+        dec.proposer.start_at(T - 1)
+    events = [h.first_event, *dec.steps(verified, cache)]
+    return _result(events, em, h.prefill_s + time.perf_counter() - t0, dec.k, dec.acceptance_rule)
+
+
+@dataclass
+class _Prefilled:
+    """What `Step.begin` reads from a prefill's output: the aux states the draft has not seen yet."""
+
+    aux_hidden_states: tuple[torch.Tensor, ...]
