@@ -261,10 +261,12 @@ def _autoregressive(pair: wb.ModelPair, prompt: str, s: Settings) -> wb.Generati
                                       heal=s.heal)
 
 
-def step_events(pair: wb.ModelPair, prompt: str, s: Settings) -> Iterator[wb.StepEvent]:
-    """The steps of one answer: streamed from the speculative decoder, or the autoregressive run's."""
+def step_events(pair: wb.ModelPair, prompt: str, s: Settings,
+                dec: wb.SpecDecoder | None = None) -> Iterator[wb.StepEvent]:
+    """The steps of one answer: streamed from the speculative decoder (`dec`, or one for `s`), or the
+    autoregressive run's."""
     if s.use_draft:
-        yield from decoder(pair, s).stream(prompt, s.max_new_tokens, heal=s.heal)
+        yield from (dec or decoder(pair, s)).stream(prompt, s.max_new_tokens, heal=s.heal)
     else:
         yield from _autoregressive(pair, prompt, s).events
 
@@ -276,9 +278,10 @@ def run_turn(pair: wb.ModelPair, conv: Conversation, s: Settings, race: bool = F
     """
     prompt = pair.tokenizer.format_prompt(conv.history)
     answer = Answer(prompt, s, phase="speculative" if s.use_draft else "autoregressive")
-    if s.use_draft:
-        answer.rule = decoder(pair, s).acceptance_rule
-    for ev in step_events(pair, prompt, s):
+    dec = decoder(pair, s) if s.use_draft else None
+    if dec is not None:
+        answer.rule = dec.acceptance_rule
+    for ev in step_events(pair, prompt, s, dec):
         if not answer.events:
             conv.answers.append(answer)
             conv.history.append({"role": "assistant", "content": ""})

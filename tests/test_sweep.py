@@ -3,6 +3,7 @@ bound, the recommendation and its outputs, the CLI, and a cold process's first a
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -80,6 +81,9 @@ def test_recommendation_outputs_json_and_summary(sweep):
     res, _ = sweep
     rec = res.recommendation(0.0)
     assert rec.k in (0, 1, 3) and set(rec.tied) <= {0, 1, 3} - {rec.k} and rec.decided == (not rec.tied)
+    pooled = {p.k: p.speedup.pooled for p in res.points}
+    assert pooled[0] == 1.0 and all(math.isfinite(v) for v in pooled.values())  # a NaN baseline always "won"
+    assert rec.k == max(pooled, key=lambda k: (pooled[k], -k))  # the fastest pooled speedup
     assert rec.model_k == res.models[0.0].best and rec.agrees == (rec.model_k in [rec.k, *rec.tied])
     if rec.tied:
         assert rec.reason.startswith("Too few samples to decide:") and "cannot be told apart" in rec.reason

@@ -17,11 +17,12 @@ resample.
 """
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from workbench.analysis.metrics import expected_accept_length
-from workbench.analysis.protocol import BOOTSTRAP, CONFIDENCE, Measurements, Timing
+from workbench.analysis.metrics import compute_stats, expected_accept_length
+from workbench.analysis.protocol import BOOTSTRAP, Measurements, Timing, percentile_interval, resample
 from workbench.decoding.events import StepEvent
 
 MODEL_RESAMPLES = BOOTSTRAP // 4  # each resample refits the model: fewer, still a stable 95% interval
@@ -44,21 +45,6 @@ class Line:
 
     def __call__(self, x: float) -> float:
         return self.a + self.b * x
-
-
-def acceptance_counts(events: Sequence[StepEvent], depth: int) -> tuple[list[int], list[int]]:
-    """(accepted, reached) per draft position: steps that accepted position i, and steps that proposed
-    i with positions 0..i-1 accepted; their ratio is the conditional rate (EAGLE's alpha)."""
-    acc, reached = [0] * depth, [0] * depth
-    for e in events:
-        if e.kind != "spec":
-            continue
-        for i in range(min(e.k, depth)):
-            if e.num_accepted >= i:
-                reached[i] += 1
-            if e.num_accepted > i:
-                acc[i] += 1
-    return acc, reached
 
 
 @dataclass
@@ -85,11 +71,6 @@ class CostModel:
                 "conditional_rates": self.rates, "measured_ks": self.measured_ks}
 
 
-def _sums(ts: Sequence[Timing]) -> dict[str, float]:
-    return {f: sum(getattr(t, f) for t in ts) for f in ("decode_tokens", "decode_s", "steps", "verify_s", "draft_s",
-                                                       "draft_forwards")}
-
-
 def fit_cost_model(m: Measurements, base: str, spec: dict[int, str], cells: Sequence[int] | None = None) -> CostModel:
     """The model from the baseline arm `base` and the speculative arms `spec` ({k: arm name}),
     over `cells` (indices into `m.cells`; all by default)."""
@@ -99,27 +80,24 @@ def fit_cost_model(m: Measurements, base: str, spec: dict[int, str], cells: Sequ
         ts = m.cell_timings(arm)
         return [ts[i] for i in idx]
 
-    b = _sums(timings(base))
-    t_dec = b["decode_s"] / b["decode_tokens"] if b["decode_tokens"] else 0.0
+    b = Timing.total(timings(base))
+    t_dec = b.decode_s / b.decode_tokens if b.decode_tokens else 0.0
     if t_dec <= 0:
         raise ValueError("the baseline decoded no token after its prefill; expected max_new_tokens >= 2")
-    ks, verify, over, draft_s, forwards = [], [], [], 0.0, 0.0
+    ks, verify, over, draft_s, forwards = [], [], [], 0.0, 0
     events: list[StepEvent] = []
     for k, arm in sorted(spec.items()):
-        s = _sums(timings(arm))
-        if not s["steps"]:
+        s = Timing.total(timings(arm))
+        if not s.steps:
             continue
         ks.append(k)
-        verify.append(s["verify_s"] / s["steps"] / t_dec)
-        over.append((s["decode_s"] - s["verify_s"] - s["draft_s"]) / s["steps"] / t_dec)
-        draft_s, forwards = draft_s + s["draft_s"], forwards + s["draft_forwards"]
-        results = [m.results[arm][r][p] for r, p in (m.cells[i] for i in idx)]
-        events += [e for res in results for e in res.events]
+        verify.append(s.verify_s / s.steps / t_dec)
+        over.append((s.decode_s - s.verify_s - s.draft_s) / s.steps / t_dec)
+        draft_s, forwards = draft_s + s.draft_s, forwards + s.draft_forwards
+        events += [e for r, p in (m.cells[i] for i in idx) for e in m.results[arm][r][p].events]
     if not ks:
         raise ValueError("no speculative step was measured; expected max_new_tokens >= 2")
-    depth = max(ks)
-    acc, reached = acceptance_counts(events, depth)
-    rates = [a / r if r else 0.0 for a, r in zip(acc, reached)]
+    rates = compute_stats(events).conditional_acceptance  # pooled over every k: each position's own denominator
     return CostModel(t_dec, Line.fit([k + 1 for k in ks], verify), draft_s / forwards / t_dec if forwards else 0.0,
                      Line.fit(ks, over), rates, ks)
 
@@ -146,8 +124,6 @@ class ModelCurve:
 def model_curve(m: Measurements, base: str, spec: dict[int, str], k_max: int,
                 resamples: int = MODEL_RESAMPLES) -> ModelCurve:
     """Fit on every cell, then on `resamples` bootstrap resamples of the cells for the error bars."""
-    import random
-
     model = fit_cost_model(m, base, spec)
     ks = list(range(0, k_max + 1))
     point = {k: model.speedup(k) for k in ks}
@@ -156,17 +132,11 @@ def model_curve(m: Measurements, base: str, spec: dict[int, str], k_max: int,
     rng, n = random.Random(1), len(m.cells)
     curves, margins = {k: [] for k in ks}, []
     for _ in range(resamples):
-        fit = fit_cost_model(m, base, spec, [rng.randrange(n) for _ in range(n)])
+        fit = fit_cost_model(m, base, spec, resample(n, rng))
         for k in ks:
             curves[k].append(fit.speedup(k))
         margins.append(fit.speedup(best) - fit.speedup(runner))
-    tail = (1 - CONFIDENCE) / 2
-
-    def q(xs: list[float], f: float) -> float:
-        s = sorted(xs)
-        return s[min(len(s) - 1, max(0, round(f * (len(s) - 1))))]
-
-    lo = {k: q(curves[k], tail) for k in ks}
-    hi = {k: q(curves[k], 1 - tail) for k in ks}
-    margin = (point[best] - point[runner], q(margins, tail), q(margins, 1 - tail))
-    return ModelCurve(model, ks, point, lo, hi, best, runner, margin)
+    bands = {k: percentile_interval(curves[k]) for k in ks}
+    margin = (point[best] - point[runner], *percentile_interval(margins))
+    return ModelCurve(model, ks, point, {k: bands[k][0] for k in ks}, {k: bands[k][1] for k in ks}, best, runner,
+                      margin)

@@ -59,10 +59,10 @@ def long_prompts(pair, prompts: list[str], tokens: int, count: int = 4) -> list[
     """`count` prompts of about `tokens` tokens each, made by joining consecutive prompts."""
     out, i = [], 0
     while len(out) < count:
-        text = ""
-        while len(pair.encode(text)) < tokens:
-            text += prompts[i % len(prompts)] + "\n\n"
-            i += 1
+        text, n = "", 0
+        while n < tokens + 16:  # each piece counted once (a margin for merges at the joins); cut below
+            piece = prompts[i % len(prompts)] + "\n\n"
+            text, n, i = text + piece, n + len(pair.tokenizer.encode(piece, add_bos=False)), i + 1
         ids = pair.encode(text)[:tokens]
         out.append(pair.decode(ids[1:] if pair.tokenizer.bos_token_id is not None else ids))
     return out

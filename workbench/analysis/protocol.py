@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable, Sequence
+from statistics import median
 from dataclasses import dataclass, field
 
 from workbench.decoding.events import GenerationResult
@@ -56,6 +58,11 @@ class Timing:
                    draft_s=sum(e.draft_time for e in rest),
                    draft_forwards=sum(max(e.k, 1) for e in rest if e.kind == "spec"))
 
+    @classmethod
+    def total(cls, timings: Sequence["Timing"]) -> "Timing":
+        """Every field summed over `timings` (several generations' clocks as one)."""
+        return cls(*(sum(getattr(t, f) for t in timings) for f in cls.__dataclass_fields__))
+
 
 @dataclass
 class Interval:
@@ -68,7 +75,7 @@ class Interval:
     hi: float
     min: float  # over repeats
     max: float
-    pooled: float = float("nan")
+    pooled: float
 
     def to_dict(self) -> dict:
         return {"median": self.median, "lo": self.lo, "hi": self.hi, "min": self.min, "max": self.max,
@@ -111,7 +118,7 @@ class Measurements:
     def rate(self, arm: str) -> Interval:
         per = self._per_repeat(arm)
         lo, hi = bootstrap(len(self.cells), lambda idx: self.decode_rate(arm, idx))
-        return Interval(_median(per), lo, hi, min(per), max(per), self.decode_rate(arm))
+        return Interval(median(per), lo, hi, min(per), max(per), self.decode_rate(arm))
 
     def ratio(self, arm: str, base: str) -> Interval:
         """`arm`'s decode tokens/s over `base`'s (a speedup), paired cell by cell."""
@@ -122,7 +129,7 @@ class Measurements:
             return self.decode_rate(arm, idx) / b if b else 0.0
 
         lo, hi = bootstrap(len(self.cells), stat)
-        return Interval(_median(per), lo, hi, min(per), max(per), stat(range(len(self.cells))))
+        return Interval(median(per), lo, hi, min(per), max(per), stat(range(len(self.cells))))
 
     def difference(self, a: str, b: str, base: str) -> Interval:
         """`a`'s speedup over `base` minus `b`'s, paired cell by cell (b = base: a's speedup - 1)."""
@@ -133,7 +140,7 @@ class Measurements:
         n = self.num_prompts
         per = [stat(range(r * n, (r + 1) * n)) for r in range(self.repeats)]
         lo, hi = bootstrap(len(self.cells), stat)
-        return Interval(_median(per), lo, hi, min(per), max(per), stat(range(len(self.cells))))
+        return Interval(median(per), lo, hi, min(per), max(per), stat(range(len(self.cells))))
 
     def cells_dict(self) -> list[dict]:
         """Each cell's arm order and each arm's decode tokens/s there: the raw material of every interval."""
@@ -148,23 +155,26 @@ class Measurements:
 
     def prefill_s(self, arm: str) -> float:
         """Median prefill seconds over cells."""
-        return _median([t.prefill_s for t in self.cell_timings(arm)])
+        return median([t.prefill_s for t in self.cell_timings(arm)])
 
 
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return 0.0 if not n else (s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2)
+def percentile_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The central `confidence` interval of `values` (their empirical quantiles, outward-rounded)."""
+    s, tail = sorted(values), (1 - confidence) / 2
+    return s[int(tail * (len(s) - 1))], s[int(math.ceil((1 - tail) * (len(s) - 1)))]
+
+
+def resample(n: int, rng: random.Random) -> list[int]:
+    """n cell indices drawn with replacement."""
+    return [rng.randrange(n) for _ in range(n)]
 
 
 def bootstrap(n: int, stat: Callable[[list[int]], float], resamples: int = BOOTSTRAP,
               confidence: float = CONFIDENCE, seed: int = 0) -> tuple[float, float]:
-    """The percentile interval of `stat` over resamples (with replacement) of n cell indices; seeded,
-    so the same measurements always give the same interval."""
+    """The percentile interval of `stat` over resamples of n cell indices; seeded, so the same
+    measurements always give the same interval."""
     rng = random.Random(seed)
-    values = sorted(stat([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
-    tail = (1 - confidence) / 2
-    return values[int(tail * (resamples - 1))], values[int(math.ceil((1 - tail) * (resamples - 1)))]
+    return percentile_interval([stat(resample(n, rng)) for _ in range(resamples)], confidence)
 
 
 def rotation(arms: Sequence[Arm], repeat: int, prompt: int) -> list[Arm]:
@@ -189,8 +199,6 @@ def measure(arms: Sequence[Arm], prompts: Sequence[str], repeats: int = 1, warmu
     `progress(i, n, label)` is called before each of the n timed generations and once more with
     i = n at the end.
     """
-    import time
-
     check_protocol(prompts, repeats)
     arms = list(arms)
     names = [a.name for a in arms]

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from workbench.analysis.costmodel import ModelCurve, model_curve
 from workbench.analysis.metrics import compute_stats, stats_table
-from workbench.analysis.protocol import Arm, Interval, Measurements, Progress, cells_to_separate, measure
+from workbench.analysis.protocol import (Arm, Interval, Measurements, Progress, Timing, cells_to_separate,
+                                         check_protocol, measure)
 from workbench.decoding.engine import MAX_K, RequestError, SpecDecoder, generate_autoregressive
 from workbench.decoding.events import GenerationStats
 from workbench.decoding.sampling import SyntheticAcceptor, check_synthetic_rates
@@ -171,6 +172,11 @@ def _check_inputs(pair, ks, temperatures, max_new_tokens, synthetic_rates) -> tu
     return sorted(ks), temps
 
 
+def arm_name(k: int) -> str:
+    """The name of the arm that decodes with k proposals (0: the autoregressive baseline)."""
+    return "autoregressive" if k == 0 else f"k={k}"
+
+
 def _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates, acceptor, draft_sampling):
     def decoder(k: int, rates) -> SpecDecoder:
         # Unfused: the cost model needs the draft's time apart from the verify's (a fused step times both as one).
@@ -180,29 +186,26 @@ def _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates, accepto
 
     def spec_arm(k: int) -> Arm:
         dec = decoder(k, synthetic_rates[:k] if synthetic_rates is not None else None)
-        return Arm(f"k={k}", k, lambda prompt: dec.generate(prompt, max_new_tokens))
+        return Arm(arm_name(k), k, lambda prompt: dec.generate(prompt, max_new_tokens))
 
-    base = Arm("autoregressive", 0, lambda prompt: generate_autoregressive(pair, prompt, max_new_tokens, temperature=t,
+    base = Arm(arm_name(0), 0, lambda prompt: generate_autoregressive(pair, prompt, max_new_tokens, temperature=t,
                                                                            seed=seed, attention=attention))
     return [base, *(spec_arm(k) for k in ks)], decoder(max(ks), synthetic_rates).acceptance_rule
 
 
 def _points(m: Measurements, t: float, curve: ModelCurve) -> list[SweepPoint]:
-    base = m.arms[0].name
+    base = arm_name(0)
     first = {a.name: m.results[a.name][0] for a in m.arms}  # repeat 0: [prompt] -> result
-    base_t = m.cell_timings(base)
-    t_dec = curve.model.t_decode
-    dec_fwd = sum(x.verify_s for x in base_t) / max(sum(x.steps for x in base_t), 1)  # a decode's forward alone
+    bt = Timing.total(m.cell_timings(base))
+    dec_fwd, t_dec = bt.verify_s / max(bt.steps, 1), curve.model.t_decode  # a decode's forward alone; its wall
     points = []
     for a in m.arms:
-        ts = m.cell_timings(a.name)
-        steps = sum(x.steps for x in ts) or 1
-        verify, draft = sum(x.verify_s for x in ts) / steps, sum(x.draft_s for x in ts)
-        forwards = sum(x.draft_forwards for x in ts)
-        host = (sum(x.decode_s for x in ts) - sum(x.verify_s for x in ts) - draft) / steps
+        s = Timing.total(m.cell_timings(a.name))
+        steps = s.steps or 1
+        verify, host = s.verify_s / steps, (s.decode_s - s.verify_s - s.draft_s) / steps
         stats = compute_stats([e for r in first[a.name] for e in r.events],
                               num_tokens=sum(len(r.tokens) for r in first[a.name]))
-        speedup = m.ratio(a.name, base) if a.k else Interval(1.0, 1.0, 1.0, 1.0, 1.0)
+        speedup = m.ratio(a.name, base) if a.k else Interval(1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
         bound = stats.accept_length * min(1.0, dec_fwd / verify) if a.k and verify > 0 else 1.0
         error = None
         if a.k and speedup.lo > bound:
@@ -213,8 +216,8 @@ def _points(m: Measurements, t: float, curve: ModelCurve) -> list[SweepPoint]:
             matches = sum(r.tokens == b.tokens for r, b in zip(first[a.name], first[base]))
         points.append(SweepPoint(
             t, a.k, stats, m.rate(a.name), speedup, m.prefill_s(a.name) * 1e3, verify / t_dec if a.k else 1.0,
-            draft / forwards / t_dec if forwards else 0.0, host / t_dec if a.k else 0.0, bound, error,
-            curve.speedup.get(a.k), [r.stats.accept_length for r in first[a.name]], matches))
+            s.draft_s / s.draft_forwards / t_dec if s.draft_forwards else 0.0, host / t_dec if a.k else 0.0, bound,
+            error, curve.speedup.get(a.k), [r.stats.accept_length for r in first[a.name]], matches))
     return points
 
 
@@ -233,6 +236,7 @@ def run_sweep(pair, prompts: Sequence[str], ks: Sequence[int], temperatures: Seq
     `progress(i, n, label)` as `protocol.measure` calls it, over every temperature's generations.
     """
     ks, temps = _check_inputs(pair, ks, temperatures, max_new_tokens, synthetic_rates)
+    check_protocol(prompts, repeats)
     if synthetic_rates is not None and acceptor is not None:
         raise ValueError(f"run_sweep: acceptor = {acceptor!r} and synthetic_rates given; expected one of them "
                          "(synthetic rates replace the acceptance rule)")
@@ -240,7 +244,7 @@ def run_sweep(pair, prompts: Sequence[str], ks: Sequence[int], temperatures: Seq
     if isinstance(k_max, bool) or not isinstance(k_max, int) or not max(ks) <= k_max <= MAX_K:
         raise ValueError(f"run_sweep: argument 'k_max' = {k_max!r}; expected an integer in [{max(ks)}, {MAX_K}]")
     points, models, rules, ms = [], {}, {}, {}
-    per_t = len(prompts) * repeats * (len(ks) + 1) if isinstance(prompts, (list, tuple)) else 0
+    per_t = len(prompts) * repeats * (len(ks) + 1)
     for i, t in enumerate(temps):
         arms, rules[t] = _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates, acceptor, draft_sampling)
         tick = None if progress is None else (lambda j, n, s, i=i, t=t: progress(i * per_t + j, per_t * len(temps),
@@ -260,12 +264,7 @@ def _recommend(res: SweepResult, t: float) -> Recommendation:
     set_aside = [p.k for p in pts if p.error]
     cands = [p for p in pts if not p.error]
     best = max(cands, key=lambda p: (p.speedup.pooled, -p.k))  # pooled: consistent with the pooled differences
-    name = {p.k: ("autoregressive" if p.k == 0 else f"k={p.k}") for p in pts}
-
-    def diff(p) -> Interval:
-        return m.difference(name[best.k], name[p.k], "autoregressive")
-
-    diffs = {p.k: diff(p) for p in cands if p.k != best.k}
+    diffs = {p.k: m.difference(arm_name(best.k), arm_name(p.k), arm_name(0)) for p in cands if p.k != best.k}
     tied = sorted(k for k, d in diffs.items() if d.lo <= 0)
     # the runner-up: the closest candidate (among those tied with the best, if any)
     runner = min(tied or diffs, key=lambda k: (diffs[k].pooled, k)) if diffs else None
@@ -321,7 +320,7 @@ def _outputs(res: SweepResult, t: float, k: int) -> dict:
     rates = list(p.stats.per_position_acceptance)
     for i in range(1, len(rates)):  # vLLM asks for non-increasing rates; a short last step can break that by a hair
         rates[i] = min(rates[i], rates[i - 1])
-    first = res.measurements[t].results[f"k={k}"][0]
+    first = res.measurements[t].results[arm_name(k)][0]
     return {
         "k": k, "note": note,
         "speculative_config": speculative_config(res.draft, k),

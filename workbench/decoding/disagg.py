@@ -16,13 +16,14 @@ Verification is untouched, so every mode is lossless; only acceptance and bytes 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from workbench.analysis.kvcache import HANDOVER_MODES as MODES
-from workbench.decoding.engine import SpecDecoder, _Emitter, _result
+from workbench.decoding.engine import SpecDecoder
 from workbench.decoding.events import GenerationResult, StepEvent
 from workbench.decoding.proposers import EagleProposer
 from workbench.decoding.step import ProposeVerifyAccept
@@ -109,13 +110,9 @@ def prefill_instance(dec: SpecDecoder, prompt: str | list[int], max_new_tokens: 
 @torch.inference_mode()
 def decode_instance(dec: SpecDecoder, h: Handover) -> GenerationResult:
     """The decode side: caches rebuilt from `h`'s bytes, then the speculative steps, as in one process."""
-    import time
-
     _check(dec, h.mode)
     t0 = time.perf_counter()
-    req, pair = h.request, dec.pair
-    dec._emitter = em = _Emitter(pair, req)
-    em.add(h.first_token)
+    req, pair = dec.begin(h.request, h.first_token), dec.pair
     dec.generator.set_state(torch.from_numpy(np.frombuffer(h.generator_state, dtype=np.uint8).copy()))
     T = len(req.prompt_ids)
     cache = pair.verifier_cache(dec.cache_rows(T, req.max_new_tokens, req.max_len))
@@ -125,13 +122,10 @@ def decode_instance(dec: SpecDecoder, h: Handover) -> GenerationResult:
     device = cache.rows.device
     aux = tuple(p.tensor(device) for p in (h.prompt_aux if h.mode == "recompute" else h.last_aux))
     dec.step.begin(verified, _Prefilled(aux), cache)
-    if h.mode == "full":
-        rows = h.draft_rows.tensor(device) if h.draft_rows is not None else None
-        dec.proposer.start_at(T - 1, rows if rows is not None else dec.proposer.cache.rows[:, :, :0])
-    elif h.mode == "cold":
-        dec.proposer.start_at(T - 1)
+    if h.mode != "recompute":  # cold (no rows), or full (no rows either for a one-token prompt)
+        dec.proposer.start_at(T - 1, h.draft_rows.tensor(device) if h.draft_rows is not None else None)
     events = [h.first_event, *dec.steps(verified, cache)]
-    return _result(events, em, h.prefill_s + time.perf_counter() - t0, dec.k, dec.acceptance_rule)
+    return dec.result(events, h.prefill_s + time.perf_counter() - t0)
 
 
 @dataclass

@@ -175,7 +175,7 @@ class SpecDecoder:
                  max_len: int | None = None, heal: bool = False) -> GenerationResult:
         t0 = time.perf_counter()
         events = list(self.stream(prompt, max_new_tokens, stop, max_len, heal))
-        return _result(events, self._emitter, time.perf_counter() - t0, self.k, self.acceptance_rule)
+        return self.result(events, time.perf_counter() - t0)
 
     def cache_rows(self, prompt_len: int, max_new_tokens: int, context: int) -> int:
         """The verifier cache's rows for a request: room for a last step's k+1 tokens past the
@@ -204,10 +204,20 @@ class SpecDecoder:
     def request(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
                 max_len: int | None = None, heal: bool = False) -> _Request:
         """A checked request; the decoder's generator is reseeded and its emitter starts empty."""
-        req = _validate_common(self.pair, prompt, max_new_tokens, stop, max_len, heal)
+        return self.begin(_validate_common(self.pair, prompt, max_new_tokens, stop, max_len, heal))
+
+    def begin(self, req: _Request, first_token: int | None = None) -> _Request:
+        """Start serving `req`: the generator reseeded, the emitter empty, or holding the first token a
+        prefill instance already sampled (a decode instance takes over from there)."""
         self.generator.manual_seed(self.seed)
         self._emitter = _Emitter(self.pair, req)
+        if first_token is not None:
+            self._emitter.add(first_token)
         return req
+
+    def result(self, events: list[StepEvent], elapsed: float) -> GenerationResult:
+        """The request's result from its events, as `generate` returns it."""
+        return _result(events, self._emitter, elapsed, self.k, self.acceptance_rule)
 
     def prefill(self, req: _Request):
         """The prompt's forward into a new cache and the first token: (verifier output, cache, token, event)."""

@@ -63,14 +63,16 @@ def synthetic_acceptance_config(draft: str, k: int, rates: list[float] | None = 
     `rejection_sample_method: "synthetic"` with exactly one of `synthetic_acceptance_rates` (k
     unconditional per-position rates, in [0, 1], non-increasing) or `synthetic_acceptance_length`
     (in [1, k + 1]), the rules `SpeculativeConfig._resolve_synthetic_acceptance_rates` enforces."""
+    from workbench.decoding.sampling import check_synthetic_rates  # imports torch: only when asked
+
     spec = speculative_config(draft, k, method)
     if (rates is None) == (length is None):
         raise ValueError("synthetic acceptance: expected exactly one of rates or length, as vLLM requires")
     spec["rejection_sample_method"] = "synthetic"
     if rates is not None:
-        rates = [float(r) for r in rates]
-        if len(rates) != k or not all(0.0 <= r <= 1.0 for r in rates) or any(b > a for a, b in zip(rates, rates[1:])):
-            raise ValueError(f"synthetic_acceptance_rates = {rates}; expected {k} non-increasing rates in [0, 1]")
+        rates = check_synthetic_rates(rates, k)  # in [0, 1], non-increasing, at most k
+        if len(rates) != k:
+            raise ValueError(f"synthetic_acceptance_rates = {rates}; expected exactly {k}, as vLLM requires")
         spec["synthetic_acceptance_rates"] = rates
     else:
         if not 1.0 <= length <= k + 1:
@@ -83,9 +85,10 @@ def spec_decode_metrics(stats, k: int) -> dict:
     """A `GenerationStats` as vLLM's per-request `metrics.speculative_decoding` (vLLM #48915, summary
     level): `acceptance_histogram[j]` is the verify steps that accepted exactly j draft tokens."""
     hist = list(stats.accepted_length_histogram) + [0] * (k + 1 - len(stats.accepted_length_histogram))
+    rates = counter_rates(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos)
     return {
-        "mean_acceptance_length": stats.accept_length,
-        "draft_acceptance_rate": stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0,
+        "mean_acceptance_length": rates["accept_length"],
+        "draft_acceptance_rate": rates["draft_acceptance_rate"],
         "acceptance_histogram": hist[:k + 1],
         "num_spec_steps": stats.num_drafts,
         "num_accepted_draft_tokens": stats.num_accepted_tokens,
