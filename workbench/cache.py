@@ -4,6 +4,12 @@ For MLA a row is `[c_kv | k_pe]` (kv_lora_rank + qk_rope_head_dim values: 576 fo
 shared by every head; for the MHA draft it is `[K | V]` of every KV head. Rollback after a
 rejection is `truncate(n)`: rows past n are never read again (attention only looks at the
 first `length` rows) and the next append overwrites them, as in gpt-fast and vLLM.
+
+A cache holds `batch` sequences, each with its own length (`lengths`): a batched step appends
+the same number of rows to every sequence, then each is truncated to what it accepted. `view`
+is a cache over some of the sequences that shares the rows and the lengths (the batched engine
+prefills one request into its slot through a view of one). `length` is the one length of a
+cache whose sequences all hold the same number of tokens, as a batch of one does.
 The engine owns caches and passes them to models, so two sessions never share one.
 """
 from __future__ import annotations
@@ -26,10 +32,26 @@ class KVCache:
         device: str | torch.device = "cpu",
         name: str = "cache",
     ) -> None:
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"{name}: batch = {batch!r}; expected an integer >= 1")
         self.rows = torch.zeros(num_layers, batch, max_len, row_width, dtype=dtype, device=device)
         self.max_len = max_len
-        self.length = 0
         self.name = name
+        self._lens = [0] * batch  # every sequence's length; a view shares this list
+        self._at, self._batch = 0, batch  # this cache's sequences in `_lens` (plain ints: traced graphs read them)
+
+    def view(self, first: int, count: int = 1) -> "KVCache":
+        """A cache over sequences first..first+count-1 that shares this one's rows and lengths."""
+        if not (0 <= first and count >= 1 and first + count <= self.batch):
+            raise ValueError(f"{self.name}: view of sequences {first}..{first + count - 1}; it holds {self.batch}")
+        new = object.__new__(KVCache)
+        new.rows, new.max_len, new.name = self.rows[:, first:first + count], self.max_len, self.name
+        new._lens, new._at, new._batch = self._lens, self._at + first, count
+        return new
+
+    @property
+    def batch(self) -> int:
+        return self._batch
 
     @property
     def num_layers(self) -> int:
@@ -39,31 +61,81 @@ class KVCache:
     def row_width(self) -> int:
         return self.rows.shape[-1]
 
+    @property
+    def lengths(self) -> list[int]:
+        """Each sequence's length (a copy)."""
+        return self._lens[self._at:self._at + self.batch]
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every sequence holds the same number of tokens."""
+        lens = self.lengths
+        return lens.count(lens[0]) == len(lens)
+
+    @property
+    def length(self) -> int:
+        """The tokens every sequence holds; an error when they differ (read `lengths` then)."""
+        lens = self.lengths
+        if lens.count(lens[0]) != len(lens):
+            raise ValueError(f"{self.name}: its sequences hold {lens} tokens; read `lengths` for each one's")
+        return lens[0]
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.set_lengths([n] * self.batch)
+
+    @property
+    def start(self) -> int | list[int]:
+        """Where the next rows go: the one length, or each sequence's when they differ."""
+        lens = self.lengths
+        return lens[0] if lens.count(lens[0]) == len(lens) else lens
+
+    def positions(self, num_new: int, device: torch.device | str) -> torch.Tensor:
+        """The absolute positions of num_new tokens appended to every sequence: [1, T], or [B, T] when
+        the sequences' lengths differ."""
+        start = self.start
+        if isinstance(start, int):
+            return torch.arange(start, start + num_new, device=device)[None]
+        return torch.tensor(start, device=device)[:, None] + torch.arange(num_new, device=device)
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        if len(lengths) != self.batch or any(not 0 <= n <= self.max_len for n in lengths):
+            raise ValueError(f"{self.name}: lengths {lengths}; expected {self.batch} values in [0, {self.max_len}]")
+        self._lens[self._at:self._at + self.batch] = lengths
+
     def layer(self, i: int) -> torch.Tensor:
         """[B, max_len, row_width] view of layer i."""
         return self.rows[i]
 
     def check_room(self, n: int) -> None:
-        if self.length + n > self.max_len:
+        longest = max(self.lengths)
+        if longest + n > self.max_len:
             raise ContextLengthError(
-                f"{self.name}: {self.length} tokens + {n} new would exceed the context of {self.max_len} tokens"
+                f"{self.name}: {longest} tokens + {n} new would exceed the context of {self.max_len} tokens"
             )
 
-    def write(self, i: int, start: int, new_rows: torch.Tensor) -> torch.Tensor:
-        """Store new rows [B, T, W] of layer i at `start` and return layer i's valid rows."""
-        end = start + new_rows.shape[1]
+    def write(self, i: int, start: int | list[int], new_rows: torch.Tensor) -> torch.Tensor:
+        """Store new rows [B, T, W] of layer i at `start` (one position, or one per sequence) and return
+        layer i's rows up to the end of the longest write."""
+        T = new_rows.shape[1]
+        starts = start if isinstance(start, list) else None
+        end = (max(starts) if starts else start) + T
         if end > self.max_len:
             raise ContextLengthError(f"{self.name}: writing up to position {end} exceeds the context of {self.max_len} tokens")
-        if torch.compiler.is_compiling():
+        if starts is not None and starts.count(starts[0]) != len(starts):
+            for b, s in enumerate(starts):  # B small copies: a batched step's rows land at each sequence's length
+                self.rows[i, b, s:s + T] = new_rows[b]
+        elif torch.compiler.is_compiling():
             # An index write compiles to one graph for any number of new rows. It goes into the
             # whole buffer, not into the view rows[i]: a write through a view of a graph input is
             # functionalised into a copy of the entire cache on every call (O(max_len) per token).
-            dev = new_rows.device
+            dev, start = new_rows.device, starts[0] if starts else start
             index = (torch.full((1, 1), i, device=dev), torch.arange(new_rows.shape[0], device=dev)[:, None],
-                     torch.arange(start, end, device=dev)[None, :])  # layer, batch, position: [B, T]
+                     torch.arange(start, start + T, device=dev)[None, :])  # layer, batch, position: [B, T]
             self.rows.index_put_(index, new_rows)
         else:
-            self.rows[i, :, start:end] = new_rows
+            start = starts[0] if starts else start
+            self.rows[i, :, start:start + T] = new_rows
         return self.rows[i, :, :end]
 
     def write_at(self, i: int, position: torch.Tensor, new_rows: torch.Tensor) -> None:
@@ -80,24 +152,35 @@ class KVCache:
         self.rows.index_put_(index, new_rows)
 
     def advance(self, n: int) -> None:
+        """Every sequence takes n more tokens (a forward appended n rows to each)."""
         self.check_room(n)
-        self.length += n
+        self._lens[self._at:self._at + self.batch] = [length + n for length in self.lengths]
 
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.length:
-            raise ValueError(f"{self.name}: cannot truncate to {n}; it holds {self.length} tokens")
-        self.length = n
+    def truncate(self, n: int | list[int]) -> None:
+        """Roll back to n tokens (every sequence), or to n[b] tokens for sequence b."""
+        ns = n if isinstance(n, list) else [n] * self.batch
+        lens = self.lengths
+        if len(ns) != self.batch or any(not 0 <= m <= length for m, length in zip(ns, lens)):
+            raise ValueError(f"{self.name}: cannot truncate to {n}; it holds {lens if self.batch > 1 else lens[0]} tokens")
+        self._lens[self._at:self._at + self.batch] = ns
 
     def reset(self) -> None:
-        self.length = 0
+        self.truncate(0)
+
+    def move(self, src: int, dst: int) -> None:
+        """Sequence src's rows and length into slot dst (the batched engine keeps its live rows first)."""
+        n = self._lens[self._at + src]
+        self.rows[:, dst, :n] = self.rows[:, src, :n]
+        self._lens[self._at + dst] = n
 
     def valid(self) -> torch.Tensor:
-        """[num_layers, B, length, W]: the rows in use (for tests and inspection)."""
+        """[num_layers, B, length, W]: the rows in use when every sequence holds `length` (tests, inspection)."""
         return self.rows[:, :, : self.length]
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_layers * self.rows.shape[1] * self.row_width * self.rows.element_size()
+        """Bytes one more token of every sequence takes (all layers)."""
+        return self.num_layers * self.batch * self.row_width * self.rows.element_size()
 
     @property
     def nbytes_allocated(self) -> int:
@@ -105,8 +188,9 @@ class KVCache:
 
     @property
     def nbytes_used(self) -> int:
-        return self.length * self.bytes_per_token
+        return sum(self.lengths) * self.num_layers * self.row_width * self.rows.element_size()
 
     def __repr__(self) -> str:
+        held = f"{self.length}" if self.uniform else f"{self.lengths}"
         return (f"KVCache({self.name}: {self.num_layers} layers x {self.row_width} values/token, "
-                f"{self.length}/{self.max_len} tokens, {self.nbytes_allocated / 2**20:.1f} MiB allocated)")
+                f"{held}/{self.max_len} tokens, {self.nbytes_allocated / 2**20:.1f} MiB allocated)")

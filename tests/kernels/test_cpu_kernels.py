@@ -324,6 +324,76 @@ def test_the_draft_chain_in_one_call_equals_its_passes_and_the_plain_model(pairs
             torch.testing.assert_close(c1.valid(), c3.valid(), rtol=1e-5, atol=1e-5)
 
 
+def _ragged_batch(v, prompts):
+    """A cache of len(prompts) sequences, each holding its own prompt (prefilled alone into its slot),
+    and B = 1 caches holding the same."""
+    big, singles = v.new_cache(96, batch=len(prompts)), []
+    for b, ids in enumerate(prompts):
+        single = v.new_cache(96)
+        v(torch.tensor([ids]), single)
+        v(torch.tensor([ids]), big.view(b))
+        singles.append(single)
+    return big, singles
+
+
+PROMPTS = [[5, 9, 200, 31, 7, 77, 3], [8, 1], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71], [4, 4, 4, 4]]
+
+
+def test_a_batch_of_ragged_sequences_gives_each_its_own_bits(pairs):
+    """B sequences of different lengths, k+1 new tokens each, in one call per layer (B x (k+1) rows):
+    each sequence's logits, aux states and cache rows equal its call alone, bit for bit in both
+    dtypes; the batched MLA block wrote each sequence's rows at its own length."""
+    for dt, pair in pairs.items():
+        v = pair.verifier
+        with torch.inference_mode():
+            big, singles = _ragged_batch(v, PROMPTS)
+            new = torch.tensor([[11, 12, 13, 14]] * 2 + [[90, 91, 92, 93], [2, 3, 5, 7]])
+            out = v(new, big)
+            for b, single in enumerate(singles):
+                one = v(new[b:b + 1], single)
+                assert torch.equal(out.logits[b], one.logits[0]), (dt, b)
+                assert all(torch.equal(x[b], y[0]) for x, y in zip(out.aux_hidden_states, one.aux_hidden_states))
+                n = single.length
+                assert big.lengths[b] == n and torch.equal(big.rows[:, b, :n], single.rows[:, 0, :n])
+    with torch.inference_mode():
+        assert cpu.serves(torch.zeros(64, 5, 8)) and not cpu.serves(torch.zeros(1, cpu.MAX_ROWS + 1, 8))
+        assert not cpu.serves(torch.zeros(cpu.MAX_BATCH_ROWS // 4 + 1, 4, 8))  # too many rows in all
+
+
+def test_a_ragged_draft_chain_of_a_batch_equals_each_sequences_chain(pairs):
+    """The one-call chain over B sequences, each with its own number of new positions (padded) and
+    cache length: each sequence's proposals, probabilities and draft rows equal its chain alone (bit
+    for bit); stopped early below a probability, it stops where each sequence's own chain would
+    (the torch path, the plain model, stops at the same step)."""
+    for dt, pair in pairs.items():
+        v, d = pair.verifier, pair.draft
+        with torch.inference_mode():
+            outs = [v(torch.tensor([ids]), v.new_cache(96)) for ids in PROMPTS]
+            counts = [3, 1, 2, 4]
+            T = max(counts)
+            ids = torch.tensor([p[-n:] + [0] * (T - n) for p, n in zip(PROMPTS, counts)])
+            aux = tuple(torch.cat([F.pad(o.aux_hidden_states[i][:, -n:], (0, 0, 0, T - n)) for o, n in zip(outs, counts)])
+                        for i in range(3))
+            starts = [len(p) - n for p, n in zip(PROMPTS, counts)]
+            cache = d.new_cache(96, batch=4)
+            cache.set_lengths(starts)
+            tokens, probs = d.greedy_chain(ids, aux, cache, 4, counts=counts)
+            for b, (n, s) in enumerate(zip(counts, starts)):
+                one = d.new_cache(96)
+                one.length = s
+                t1, p1 = d.greedy_chain(ids[b:b + 1, :n], tuple(a[b:b + 1, :n] for a in aux), one, 4)
+                assert torch.equal(tokens[b], t1[0]) and torch.equal(probs[b], p1[0]), (dt, b)
+                assert cache.lengths[b] == one.length == s + n + 3
+                assert torch.equal(cache.rows[0, b, :one.length], one.rows[0, 0, :one.length])
+            threshold = float(probs[:, 1:].max()) + 1e-6  # every sequence unsure by its second proposal
+            early, plain = d.new_cache(96, batch=4), d.new_cache(96, batch=4)
+            early.set_lengths(starts), plain.set_lengths(starts)
+            t_e, p_e = d.greedy_chain(ids, aux, early, 4, counts=counts, stop_below=threshold)
+            t_p, _ = pair.reference().draft.greedy_chain(ids, aux, plain, 4, counts=counts, stop_below=threshold)
+            assert t_e.shape[1] == t_p.shape[1] <= 2 and torch.equal(t_e, tokens[:, :t_e.shape[1]])
+            assert early.lengths == plain.lengths == [s + n + t_e.shape[1] - 1 for s, n in zip(starts, counts)]
+
+
 def test_packed_weights_are_checked_and_variants_are_repacked(pairs, tmp_path):
     """A weight changed in place after `accelerate` makes the next kernel call an error naming the
     fix; accelerated again, the twins equal the plain model. The doctor's variants (RoPE pairing,

@@ -32,7 +32,8 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
-MAX_ROWS = 128  # tokens per call the kernels take: a decode, a verify of k+1 <= 17, a prompt of up to 128
+MAX_ROWS = 128  # tokens per sequence a call takes: a decode, a verify of k+1 <= 17, a prompt of up to 128
+MAX_BATCH_ROWS = 1024  # tokens per call over every sequence of a batch (64 requests verifying 16 each)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ISA_NAMES = {1: "AVX2+FMA", 2: "AVX-512", 3: "AVX512-BF16"}  # wb_isa()'s answers that serve
 _lock = threading.Lock()
@@ -95,8 +96,10 @@ def _load():
     lib.wb_swiglu.argtypes = [p, p, p, i, i, i, i]
     lib.wb_row_stats.argtypes = [p, lng, i, i, p, p, p, i, i]
     lib.wb_mla_block.argtypes = [p, p, i, p, i, p, p, p]
+    lib.wb_mla_block_batch.argtypes = [p, p, i, p, p, lng, p, p, p, p]
     lib.wb_ffn_block.argtypes = [p, p, i, p]
     lib.wb_eagle_chain.argtypes = [p, p, i, p, p, i, i, p, p]
+    lib.wb_eagle_chain_batch.argtypes = [p, p, i, p, p, p, lng, p, i, f, p, p, p]
     return lib, f"{path} ({_ISA_NAMES.get(isa, f'wb_isa() {isa}')})"
 
 
@@ -127,10 +130,13 @@ def reset() -> None:
 
 def serves(x: Tensor, rows: int | None = None) -> bool:
     """Whether a call on activations `x` [..., H] can go to these kernels: inference on the CPU (no
-    autograd), fp32 or bf16, at most MAX_ROWS rows, and the library loaded."""
+    autograd), fp32 or bf16, at most MAX_ROWS tokens a sequence (`rows`, else x's next-to-last
+    dim) and MAX_BATCH_ROWS in all, and the library loaded."""
     if torch.is_grad_enabled() or not x.is_cpu or x.dtype not in _DTYPES:
         return False
-    if (x.numel() // max(x.shape[-1], 1) if rows is None else rows) > MAX_ROWS:
+    total = x.numel() // max(x.shape[-1], 1)
+    per_sequence = rows if rows is not None else (x.shape[-2] if x.dim() >= 2 else 1)
+    if per_sequence > MAX_ROWS or total > MAX_BATCH_ROWS:
         return False
     lib = _state.get("lib", False)
     return (_lib() if lib is False else lib) is not None
@@ -310,15 +316,27 @@ class MlaBlock:
                              q_norm[1] if q_norm is not None else 0.0, kv_norm[1], scale, a.shape[1], o.shape[0],
                              q.shape[1] if self.q else 0, heads, kv_lora, rope, _DTYPES[a.dtype])
 
-    def __call__(self, x: Tensor, rows: Tensor, start: int, cos2: Tensor, sin2: Tensor) -> Tensor:
-        """x [T, in] (this dtype); rows [S, L+R] contiguous with room at start..start+T; cos2, sin2 [T, R]."""
+    def __call__(self, x: Tensor, rows: Tensor, start: int | Sequence[int], cos2: Tensor, sin2: Tensor,
+                 counts: Sequence[int] | None = None) -> Tensor:
+        """x [T, in] (this dtype); rows [S, L+R] contiguous with room at start..start+T; cos2, sin2 [T, R].
+
+        A batch: rows [B, S, L+R] (each sequence's rows contiguous), start[b] each sequence's length
+        and counts[b] its new tokens, which come after the earlier sequences' in x, cos2 and sin2."""
         T = x.shape[0]
-        if x.dtype != self.dtype or not rows.is_contiguous() or rows.shape[0] < start + T:
-            raise ValueError(f"MlaBlock: x must be {self.dtype} and rows contiguous with {start + T} rows")
+        rows3 = rows if rows.dim() == 3 else rows[None]
+        B, S = rows3.shape[:2]
+        starts = [start] if isinstance(start, int) else list(start)
+        counts = [T] if counts is None else list(counts)
+        if (x.dtype != self.dtype or rows3.stride(1) != rows3.shape[2] or rows3.stride(2) != 1 or len(starts) != B
+                or len(counts) != B or sum(counts) != T or any(s + n > S for s, n in zip(starts, counts))):
+            raise ValueError(f"MlaBlock: x must be {self.dtype} [{T}, in], rows [B, S, L+R] with each sequence's "
+                             f"rows contiguous and room for its new tokens (starts {starts}, counts {counts}, S {S})")
         x, c, s = x.contiguous(), cos2.contiguous(), sin2.contiguous()
         out = torch.empty(T, self.plan.hidden, dtype=x.dtype)
-        _check(_state["lib"].wb_mla_block(ctypes.byref(self.plan), x.data_ptr(), T, rows.data_ptr(), start,
-                                          c.data_ptr(), s.data_ptr(), out.data_ptr()), "wb_mla_block")
+        ints = torch.tensor(counts + starts, dtype=torch.int32)
+        _check(_state["lib"].wb_mla_block_batch(ctypes.byref(self.plan), x.data_ptr(), B, ints.data_ptr(),
+                                                rows3.data_ptr(), rows3.stride(0), ints[B:].data_ptr(), c.data_ptr(),
+                                                s.data_ptr(), out.data_ptr()), "wb_mla_block_batch")
         return out
 
 
@@ -382,16 +400,33 @@ class EagleChain:
                                sin, *(eps for _, eps in norms), embed.shape[1], head.out_features, self.limit,
                                int(norm_before_residual), int(norm_output), _DTYPES[embed.dtype])
 
-    def __call__(self, ids: Tensor, state: Tensor, rows: Tensor, start: int, k: int) -> tuple[Tensor, Tensor]:
+    def __call__(self, ids: Tensor, state: Tensor, rows: Tensor, start: int | Sequence[int], k: int,
+                 counts: Sequence[int] | None = None, stop_below: float | None = None) -> tuple[Tensor, Tensor]:
         """ids [T] int64, the fused state [T, H] in this dtype, the draft cache's rows [S, L+R] with
-        room for start..start+T+k-2 -> (tokens [k] int64, probs [k] fp32)."""
+        room for start..start+T+k-2 -> (tokens [k] int64, probs [k] fp32).
+
+        A batch: rows [B, S, L+R], start[b] and counts[b] each sequence's length and new positions
+        (theirs come after the earlier sequences' in ids and state) -> (tokens [B, k], probs [B, k]).
+        `stop_below`: the chain ends once every sequence proposed a token below it (fewer columns)."""
         T = ids.shape[0]
-        if state.dtype != self.dtype or start + T + k - 1 > min(self.limit, rows.shape[0]) or not rows.is_contiguous():
-            raise ValueError(f"EagleChain: {T} positions and {k - 1} more from {start} do not fit the cache "
-                             f"({rows.shape[0]} rows) or the RoPE table ({self.limit}), or the state is not {self.dtype}")
+        rows3 = rows if rows.dim() == 3 else rows[None]
+        B, S = rows3.shape[:2]
+        starts = [start] if isinstance(start, int) else list(start)
+        counts = [T] if counts is None else list(counts)
+        room = min(self.limit, S)
+        if (state.dtype != self.dtype or rows3.stride(1) != rows3.shape[2] or rows3.stride(2) != 1
+                or len(starts) != B or len(counts) != B or sum(counts) != T
+                or any(n < 1 or s + n + k - 1 > room for s, n in zip(starts, counts))):
+            raise ValueError(f"EagleChain: positions {counts} and {k - 1} more from {starts} do not fit the cache "
+                             f"({S} rows) or the RoPE table ({self.limit}), or the state is not {self.dtype}")
         ids, state = ids.to(torch.int64).contiguous(), state.contiguous()
-        tokens, probs = torch.empty(k, dtype=torch.int64), torch.empty(k)
-        _check(_state["lib"].wb_eagle_chain(ctypes.byref(self.plan), ids.data_ptr(), T, state.data_ptr(),
-                                            rows.data_ptr(), start, k, tokens.data_ptr(), probs.data_ptr()),
-               "wb_eagle_chain")
-        return tokens, probs
+        tokens, probs = torch.empty(B, k, dtype=torch.int64), torch.empty(B, k)
+        ints = torch.tensor(counts + starts + [k], dtype=torch.int32)  # the last: the proposals made
+        _check(_state["lib"].wb_eagle_chain_batch(ctypes.byref(self.plan), ids.data_ptr(), B, ints.data_ptr(),
+                                                  state.data_ptr(), rows3.data_ptr(), rows3.stride(0),
+                                                  ints[B:].data_ptr(), k, float(stop_below or 0.0),
+                                                  ints[2 * B:].data_ptr(), tokens.data_ptr(), probs.data_ptr()),
+               "wb_eagle_chain_batch")
+        made = int(ints[2 * B])
+        tokens, probs = tokens[:, :made], probs[:, :made]
+        return (tokens, probs) if rows.dim() == 3 else (tokens[0], probs[0])

@@ -11,9 +11,11 @@
 //   wb_moe_route  DeepSeek-V3 routing (sigmoid, bias, group-limited top-k) to dense weights
 //   wb_swiglu     silu(gate) * up, times a routing weight per group
 //   wb_row_stats  each logit row's max, first argmax and log-sum-exp (greedy steps, probabilities)
-//   wb_mla_block  a whole absorbed-MLA attention (projections, norms, RoPE, cache write, attention)
+//   wb_mla_block  a whole absorbed-MLA attention (projections, norms, RoPE, cache write, attention),
+//                 of one sequence or a batch (wb_mla_block_batch)
 //   wb_ffn_block  a whole SwiGLU MLP or dense-expert MoE (routing, experts, shared experts)
-//   wb_eagle_chain  an EAGLE-3 draft's greedy chain: the first pass, k-1 more, each head's argmax
+//   wb_eagle_chain  an EAGLE-3 draft's greedy chain: the first pass, k-1 more, each head's argmax,
+//                 of one sequence or a batch (wb_eagle_chain_batch)
 // The two blocks only sequence the kernels above over scratch buffers, so that a layer is two
 // calls from Python instead of a dozen (at this size the calls, not the arithmetic, are the cost).
 //
@@ -31,6 +33,7 @@
 // the tree of GCC's _mm512_reduce_add_ps), so an AVX2 build gives an AVX-512 build's bits, but for
 // a bf16 linear with vdpbf16ps, which adds each pair's products in its own order.
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -691,13 +694,19 @@ char* scratch(size_t bytes) {
 }
 }  // namespace
 
-// out [T, hidden] = o_proj(attention) for normed x [T, in] of one sequence whose cache rows [S, L+R]
-// hold positions 0..start-1; the T new rows are written at start.. first. cos2, sin2 [T, R].
-int wb_mla_block(const MlaPlan* p, const void* x, int T, void* rows, int start, const void* cos2, const void* sin2,
-                 void* out) {
+// out [total, hidden] = o_proj(attention) for normed x [total, in]: B sequences, sequence b's
+// counts[b] new tokens after those of sequences 0..b-1 (a verify of k+1 tokens per request, a
+// ragged first draft pass), its cache rows at rows + b * seq_stride elements ([S, L+R], positions
+// 0..starts[b]-1 held); each sequence's new rows are written at starts[b].. first. cos2, sin2
+// [total, R], one row per token. The projections run over every token at once (the weights are
+// read once for the batch); the cache writes and the attention run per sequence.
+int wb_mla_block_batch(const MlaPlan* p, const void* x, int B, const int* counts, void* rows, long seq_stride,
+                       const int* starts, const void* cos2, const void* sin2, void* out) {
 #if WB_SIMD
     const size_t es = p->dtype ? 2 : 4;
     const int N = p->N, L = p->L, R = p->R, D = L + R;
+    int T = 0;
+    for (int b = 0; b < B; ++b) T += counts[b];
     const int q_out = N * (L + 2 * R);
     const int a_out = (p->w_q ? p->q_lora : q_out) + L + 2 * R;
     const size_t a_bytes = size_t(T) * a_out * es, c_bytes = size_t(T) * (p->q_lora + 1) * es;
@@ -720,16 +729,30 @@ int wb_mla_block(const MlaPlan* p, const void* x, int T, void* rows, int start, 
     } else {
         q = A, q_stride = a_out;
     }
-    char* row0 = static_cast<char*>(rows) + size_t(start) * D * es;
-    rc |= wb_rms_norm(A + head * es, a_out, p->kv_norm, row0, D, T, L, p->kv_eps, p->dtype);
-    rc |= wb_rope(A + (head + L) * es, A + (head + L + R) * es, a_out, cos2, sin2, row0 + L * es, D, T, 1, R, p->dtype);
     rc |= wb_rope(q + N * L * es, q + (N * L + N * R) * es, q_stride, cos2, sin2, PE, N * R, T, N, R, p->dtype);
-    rc |= wb_attention(q, PE, q_stride, N * R, rows, O, T, N, L, R, start, p->scale, p->dtype);
+    for (int b = 0, t0 = 0; b < B; t0 += counts[b], ++b) {  // t0: sequence b's first token
+        char* seq = static_cast<char*>(rows) + size_t(b) * seq_stride * es;
+        char* row0 = seq + size_t(starts[b]) * D * es;
+        const char* a = A + size_t(t0) * a_out * es;
+        rc |= wb_rms_norm(a + head * es, a_out, p->kv_norm, row0, D, counts[b], L, p->kv_eps, p->dtype);
+        rc |= wb_rope(a + (head + L) * es, a + (head + L + R) * es, a_out,
+                      static_cast<const char*>(cos2) + size_t(t0) * R * es,
+                      static_cast<const char*>(sin2) + size_t(t0) * R * es, row0 + L * es, D, counts[b], 1, R,
+                      p->dtype);
+        rc |= wb_attention(q + size_t(t0) * q_stride * es, PE + size_t(t0) * N * R * es, q_stride, N * R, seq,
+                           O + size_t(t0) * N * L * es, counts[b], N, L, R, starts[b], p->scale, p->dtype);
+    }
     rc |= wb_linear(p->w_o, O, out, nullptr, T, p->hidden, N * L, p->dtype);
     return rc;
 #else
     return -1;
 #endif
+}
+
+// One sequence (wb_mla_block_batch with B = 1): T new tokens at start of rows [S, L+R].
+int wb_mla_block(const MlaPlan* p, const void* x, int T, void* rows, int start, const void* cos2, const void* sin2,
+                 void* out) {
+    return wb_mla_block_batch(p, x, 1, &T, rows, 0, &start, cos2, sin2, out);
 }
 
 // out [T, hidden] = down(silu(gate) * up, weighted per group by the routing when a router is given)
@@ -747,7 +770,29 @@ int wb_ffn_block(const FfnPlan* p, const void* x, int T, void* out) {
     if (p->router)
         rc |= wb_moe_route(x, p->router, p->bias, dense, T, p->hidden, p->experts, G - p->experts, p->n_group,
                            p->topk_group, p->top_k, p->norm, p->scaling, p->sigmoid, p->dtype);
-    rc |= wb_linear(p->w_gate_up, x, H, nullptr, T, G * 2 * I, p->hidden, p->dtype);
+    if (p->router && (2 * I) % 16 == 0) {
+        // Each expert's gate|up only for the rows routed to it (its weights read once for them): the
+        // same outputs as the dense product, and swiglu never reads an unchosen group's.
+        const size_t xrow = size_t(p->hidden) * es, hrow = size_t(2 * I) * es;
+        const size_t block = size_t(p->hidden + (p->dtype ? p->hidden % 2 : 0)) * 16 * es;  // one packed 16-output block
+        std::vector<char> xg(size_t(T) * xrow), hg(size_t(T) * hrow);
+        std::vector<int> rows(T);
+        for (int g = 0; g < G; ++g) {
+            int n = 0;
+            for (int t = 0; t < T; ++t)
+                if (dense[size_t(t) * G + g] != 0.0f) {
+                    std::memcpy(xg.data() + size_t(n) * xrow, static_cast<const char*>(x) + size_t(t) * xrow, xrow);
+                    rows[n++] = t;
+                }
+            if (!n) continue;
+            const char* w = static_cast<const char*>(p->w_gate_up) + size_t(g) * (2 * I / 16) * block;
+            rc |= wb_linear(w, xg.data(), hg.data(), nullptr, n, 2 * I, p->hidden, p->dtype);
+            for (int j = 0; j < n; ++j)
+                std::memcpy(H + (size_t(rows[j]) * G + g) * hrow, hg.data() + size_t(j) * hrow, hrow);
+        }
+    } else {
+        rc |= wb_linear(p->w_gate_up, x, H, nullptr, T, G * 2 * I, p->hidden, p->dtype);
+    }
     rc |= wb_swiglu(H, p->router ? dense : nullptr, act, T, G, I, p->dtype);
     rc |= wb_linear(p->w_down, act, out, nullptr, T, p->hidden, G * I, p->dtype);
     return rc;
@@ -784,64 +829,96 @@ void add_into(void* a, const void* b, size_t n, int dtype) {
 }  // namespace
 #endif
 
-// Proposals tokens_out [k] and each one's draft probability probs_out [k] for ids [T] (the tokens
-// after the verified positions start..start+T-1, as Eagle3Draft.greedy_chain's first pass takes
-// them) with the fused state [T, H] (fc over the verifier's aux states). Writes the draft cache
-// rows start..start+T+k-2; the caller checks they fit and sets the cache's length.
-int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int T, const void* state_in, void* rows, int start, int k,
-                   int64_t* tokens_out, float* probs_out) {
+// Proposals tokens_out [B, k] and each one's draft probability probs_out [B, k] for B sequences:
+// sequence b's ids (the tokens after its verified positions starts[b]..starts[b]+counts[b]-1, as
+// Eagle3Draft.greedy_chain's first pass takes them) come after those of sequences 0..b-1 in ids
+// and state_in (the fused state, fc over the verifier's aux states, [total, H]); its draft cache
+// rows are at rows + b * seq_stride elements. Writes sequence b's rows starts[b]..starts[b] +
+// counts[b] + k - 2; the caller checks they fit and sets the lengths. Each pass runs every
+// sequence's tokens in one batch (the first ragged, then one token each). With stop_below > 0 the
+// chain ends early once every sequence has proposed a token below that probability (an adaptive
+// policy verifies none after it); *steps_out is the number of proposals made per sequence.
+int wb_eagle_chain_batch(const EaglePlan* p, const int64_t* ids, int B, const int* counts, const void* state_in,
+                         void* rows, long seq_stride, const int* starts, int k, float stop_below, int* steps_out,
+                         int64_t* tokens_out, float* probs_out) {
 #if WB_SIMD
     const int H = p->hidden, dt = p->dtype, R = p->attn->R;
     const size_t es = dt ? 2 : 4, row = size_t(H) * es;
-    if (start + T + k - 1 > p->limit) return -3;
-    const size_t n = size_t(T) * row;
-    if (chain_buf.size() < 10 * n + size_t(p->draft_vocab) * es + 640) chain_buf.resize(10 * n + size_t(p->draft_vocab) * es + 640);
+    int T = 0;
+    for (int b = 0; b < B; ++b) {
+        if (counts[b] < 1 || starts[b] + counts[b] + k - 1 > p->limit) return -3;
+        T += counts[b];
+    }
+    const size_t n = size_t(T) * row, rope = size_t(T) * R * es;
+    const size_t need = 10 * n + 2 * rope + size_t(B) * (p->draft_vocab * es + row) + 64 * 14;
+    if (chain_buf.size() < need) chain_buf.resize(need);
     char* base = chain_buf.data();
     auto take = [&](size_t bytes) { char* q = base; base += (bytes + 63) / 64 * 64; return q; };
     char *h = take(n), *e = take(n), *x = take(2 * n), *a = take(n), *r = take(n), *yin = take(n), *pre = take(n),
-         *post = take(n), *logits = take(size_t(p->draft_vocab) * es);
+         *post = take(n), *cos = take(rope), *sin = take(rope), *last = take(size_t(B) * row),
+         *logits = take(size_t(B) * p->draft_vocab * es);
+    std::vector<int> cnt(counts, counts + B), pos(starts, starts + B);
+    std::vector<int64_t> tok(ids, ids + T);
+    std::vector<float> mx(B), lse(B);
+    std::vector<long> arg(B);
+    std::vector<char> unsure(B, 0);
     int rc = 0;
+    *steps_out = k;
     std::memcpy(h, state_in, n);
-    const int64_t* tok = ids;
-    int64_t next;
-    int pos = start;
     for (int step = 0; step < k; ++step) {
         for (int t = 0; t < T; ++t) std::memcpy(e + t * row, static_cast<const char*>(p->embed) + size_t(tok[t]) * row, row);
+        for (int b = 0, t0 = 0; b < B; t0 += cnt[b], ++b) {  // each token's RoPE row, at its sequence's position
+            std::memcpy(cos + size_t(t0) * R * es, static_cast<const char*>(p->cos) + size_t(pos[b]) * R * es, cnt[b] * R * es);
+            std::memcpy(sin + size_t(t0) * R * es, static_cast<const char*>(p->sin) + size_t(pos[b]) * R * es, cnt[b] * R * es);
+        }
         // x = [input_norm(embeds) | hidden_norm(h)], the embedding first
         rc |= wb_rms_norm(e, H, p->input_norm, x, 2 * H, T, H, p->input_eps, dt);
         rc |= wb_rms_norm(h, H, p->hidden_norm, x + row, 2 * H, T, H, p->hidden_eps, dt);
-        const char* residual_in = p->norm_before_residual ? x + row : h;
         // r = residual + attention(x); pre = r + mlp(post_norm(r)); x's second half is strided, so copy
         if (p->norm_before_residual)
-            for (int t = 0; t < T; ++t) std::memcpy(r + t * row, residual_in + t * 2 * row, row);
+            for (int t = 0; t < T; ++t) std::memcpy(r + t * row, x + row + t * 2 * row, row);
         else
-            std::memcpy(r, residual_in, size_t(T) * row);
-        rc |= wb_mla_block(p->attn, x, T, rows, pos, static_cast<const char*>(p->cos) + size_t(pos) * R * es,
-                           static_cast<const char*>(p->sin) + size_t(pos) * R * es, a);
+            std::memcpy(r, h, size_t(T) * row);
+        rc |= wb_mla_block_batch(p->attn, x, B, cnt.data(), rows, seq_stride, pos.data(), cos, sin, a);
         add_into(r, a, size_t(T) * H, dt);
         rc |= wb_rms_norm(r, H, p->post_norm, yin, H, T, H, p->post_eps, dt);
         rc |= wb_ffn_block(p->mlp, yin, T, pre);
         add_into(pre, r, size_t(T) * H, dt);  // pre = r + mlp(...): the same sum in either order
         rc |= wb_rms_norm(pre, H, p->final_norm, post, H, T, H, p->final_eps, dt);
-        // the head over the last row, its argmax and that token's probability
-        const char* last = post + size_t(T - 1) * row;
-        rc |= wb_linear(p->head, last, logits, nullptr, 1, p->draft_vocab, H, dt);
-        float mx, lse;
-        int64_t arg;
-        rc |= wb_row_stats(logits, p->draft_vocab, 1, p->draft_vocab, &mx, reinterpret_cast<long*>(&arg), &lse, 1, dt);
-        tokens_out[step] = arg + (p->d2t ? p->d2t[arg] : 0);
-        probs_out[step] = float(std::exp(double(mx) - double(lse)));  // as Python: math.exp of the two floats
-        // the next pass: the proposal, fed the last row's state, at the next position
-        std::memcpy(h, (p->norm_output ? post : pre) + size_t(T - 1) * row, row);
-        pos += T;
-        next = tokens_out[step];
-        tok = &next;
-        T = 1;
+        // the head over each sequence's last row, its argmax and that token's probability
+        for (int b = 0, t0 = 0; b < B; t0 += cnt[b], ++b)
+            std::memcpy(last + b * row, post + size_t(t0 + cnt[b] - 1) * row, row);
+        rc |= wb_linear(p->head, last, logits, nullptr, B, p->draft_vocab, H, dt);
+        rc |= wb_row_stats(logits, p->draft_vocab, B, p->draft_vocab, mx.data(), arg.data(), lse.data(), 1, dt);
+        // the next pass: each sequence's proposal, fed its last row's state, at its next position
+        const char* fed = p->norm_output ? post : pre;
+        for (int b = 0, t0 = 0; b < B; t0 += cnt[b], ++b) {
+            const int64_t d = arg[b] + (p->d2t ? p->d2t[arg[b]] : 0);
+            tokens_out[size_t(b) * k + step] = d;
+            probs_out[size_t(b) * k + step] = float(std::exp(double(mx[b]) - double(lse[b])));  // as Python: math.exp of the two floats
+            std::memmove(h + b * row, fed + size_t(t0 + cnt[b] - 1) * row, row);
+            tok[b] = d;
+            pos[b] += cnt[b];
+            unsure[b] |= probs_out[size_t(b) * k + step] < stop_below;
+        }
+        if (stop_below > 0 && std::count(unsure.begin(), unsure.end(), 1) == B) {
+            *steps_out = step + 1;
+            break;
+        }
+        for (int b = 0; b < B; ++b) cnt[b] = 1;
+        T = B;
     }
     return rc;
 #else
     return -1;
 #endif
+}
+
+// One sequence (wb_eagle_chain_batch with B = 1).
+int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int T, const void* state_in, void* rows, int start, int k,
+                   int64_t* tokens_out, float* probs_out) {
+    int steps;
+    return wb_eagle_chain_batch(p, ids, 1, &T, state_in, rows, 0, &start, k, 0.0f, &steps, tokens_out, probs_out);
 }
 
 }  // extern "C"

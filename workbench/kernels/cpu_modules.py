@@ -3,9 +3,9 @@
 `accelerate` returns copies of the models (sharing every weight tensor, `workbench.variants`) in
 which each module the kernels can run is a kernel-backed twin: a subclass of the model's own
 module that packs its weights once, at `accelerate`, and answers the calls the kernels serve
-(eager inference on the CPU, one sequence, up to `cpu.MAX_ROWS` rows) with one library call.
-Every other call (autograd, a long prompt, a batch) goes to the model's own forward, which is
-also what the tests compare each twin against.
+(eager inference on the CPU, up to `cpu.MAX_ROWS` tokens a sequence and `cpu.MAX_BATCH_ROWS`
+over a batch of sequences) with one library call. Every other call (autograd, a long prompt)
+goes to the model's own forward, which is also what the tests compare each twin against.
 
 | the model's module | its twin                | what one call does                                   |
 |--------------------|-------------------------|------------------------------------------------------|
@@ -140,12 +140,14 @@ class KernelMLAttention(MLAttention):
 
     def forward(self, x: Tensor, positions: Tensor, cache: KVCache | None = None, layer: int = 0,
                 path: str = "auto") -> Tensor:
-        if (cache is not None and path != "naive" and x.shape[0] == 1 and x.dtype == self.block.dtype
+        if (cache is not None and path != "naive" and x.dtype == self.block.dtype
                 and cpu.serves(x)):  # any T the kernels take: their attention is absorbed
             self.sources.check()
             cache.check_room(x.shape[1])  # the new rows go straight into the cache
-            cos2, sin2 = self.tables.at(positions[0], x.dtype, cache.max_len)
-            return self.block(x[0], cache.layer(layer)[0], cache.length, cos2, sin2)[None]
+            B, T = x.shape[:2]
+            cos2, sin2 = self.tables.at(positions.expand(B, T).reshape(-1), x.dtype, cache.max_len)
+            out = self.block(x.reshape(B * T, -1), cache.layer(layer), cache.lengths, cos2, sin2, [T] * B)
+            return out.view(B, T, -1)
         return super().forward(x, positions, cache, layer, path)
 
 
@@ -241,10 +243,9 @@ class KernelMoE(MoE):
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if x.dtype == self.block.dtype and cpu.serves(rows):
+        if x.dtype == self.block.dtype and cpu.serves(x):
             self.sources.check()
-            return self.block(rows).view(x.shape)
+            return self.block(x.reshape(-1, x.shape[-1])).view(x.shape)
         return super().forward(x)
 
 
@@ -269,19 +270,22 @@ class KernelEagle3Draft(Eagle3Draft):
         return super().greedy_pick(post)
 
     def greedy_chain(self, input_ids: Tensor, hidden, cache: KVCache, k: int,
-                     last: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     last: Tensor | None = None, counts: list[int] | None = None,
+                     stop_below: float | None = None) -> tuple[Tensor, Tensor]:
         chain = self._chain(cache.max_len) if last is None else None
         h = hidden[0] if isinstance(hidden, (tuple, list)) else hidden
-        if (chain is None or input_ids.shape[0] != 1 or h.dtype != chain.dtype
-                or not cpu.serves(h, rows=input_ids.shape[1])):
-            return super().greedy_chain(input_ids, hidden, cache, k, last)
-        T = input_ids.shape[1]
+        if chain is None or h.dtype != chain.dtype or not cpu.serves(h, rows=input_ids.shape[1]):
+            return super().greedy_chain(input_ids, hidden, cache, k, last, counts, stop_below)
+        B, T = input_ids.shape
+        counts = [T] * B if counts is None else counts
+        starts = cache.lengths
         cache.check_room(T + k - 1)
         if isinstance(hidden, (tuple, list)):
             hidden = self.combine_hidden_states(hidden)
-        tokens, probs = chain(input_ids[0], hidden.reshape(T, -1), cache.layer(0)[0], cache.length, k)
-        cache.advance(T + k - 1)
-        return tokens[None].to(input_ids.device), probs[None]
+        real = torch.arange(T) < torch.tensor(counts)[:, None]  # [B, T]: each sequence's own positions, no padding
+        tokens, probs = chain(input_ids[real], hidden[real], cache.layer(0), starts, k, counts, stop_below)
+        cache.set_lengths([s + n + tokens.shape[1] - 1 for s, n in zip(starts, counts)])
+        return tokens.to(input_ids.device), probs
 
     def _chain(self, limit: int) -> cpu.EagleChain | None:
         """The chain over the layer's twins, rebuilt when a longer cache needs longer RoPE tables;

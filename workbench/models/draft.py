@@ -67,7 +67,7 @@ class MHAttention(nn.Module):
         q, new_rows = self.project(x, positions)
         if cache is None:
             return self.o_proj(self.attend(q, new_rows, causal_mask(T, 0, x.device) if T > 1 else None))
-        start = cache.length
+        start = cache.start
         rows = cache.write(layer, start, new_rows)
         return self.o_proj(self.attend(q, rows, causal_mask(T, start, x.device)))
 
@@ -153,8 +153,8 @@ class Eagle3Draft(nn.Module):
                 positions: torch.Tensor | None = None, path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """One draft pass: tokens [B,T] with states [B,T,H] -> (post-norm, state to feed back).
 
-        With a cache, the rows go at `cache.length` (= the position of the first token) and
-        the length advances by T.
+        With a cache, each sequence's rows go at its length (= the position of its first token)
+        and the lengths advance by T.
         """
         return self.draft_pass(input_ids, hidden, cache, positions, path)
 
@@ -162,11 +162,11 @@ class Eagle3Draft(nn.Module):
                    positions: torch.Tensor | None = None, path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`'s body, which `greedy_chain` calls directly (a fast path may wrap forward alone)."""
         T = input_ids.shape[1]
-        start = cache.length if cache is not None else 0
         if cache is not None:
             cache.check_room(T)
         if positions is None:
-            positions = torch.arange(start, start + T, device=input_ids.device)[None]
+            positions = (cache.positions(T, input_ids.device) if cache is not None
+                         else torch.arange(T, device=input_ids.device)[None])
         attn = self.layers[0].self_attn
         out = self._pass(input_ids, hidden, lambda x: attn(x, positions, cache, 0, path))
         if cache is not None:
@@ -212,7 +212,8 @@ class Eagle3Draft(nn.Module):
         return (d + self.d2t[d] if hasattr(self, "d2t") else d), p
 
     def greedy_chain(self, input_ids: torch.Tensor, hidden: torch.Tensor | tuple[torch.Tensor, ...],
-                     cache: KVCache, k: int, last: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     cache: KVCache, k: int, last: torch.Tensor | None = None,
+                     counts: list[int] | None = None, stop_below: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first pass plus k-1 greedy steps with no trip to the host between them.
 
         `hidden` is the fused state [B, T, H], or the verifier's aux states (a tuple), which `fc`
@@ -221,18 +222,33 @@ class Eagle3Draft(nn.Module):
         graph. The chain continues from the first pass's last row, or from row `last` (a 0-d
         tensor: the fused step passes every verified row and continues after the accepted ones;
         rows after `last` are left for the next first pass to overwrite).
+
+        `counts` (a batch whose sequences have different numbers of new positions, padded to T):
+        sequence b's first counts[b] positions are real; its cache ends after them and its chain
+        continues from its row counts[b]-1 (the padding's rows lie past its length, unseen by it).
+        `stop_below`: the chain ends early once every sequence has proposed a token whose probability
+        is below it (an adaptive policy verifies nothing after such a token): fewer than k columns.
         """
         if isinstance(hidden, (tuple, list)):
             hidden = self.combine_hidden_states(hidden)
-        start, T = cache.length, input_ids.shape[1]
+        starts, T = cache.lengths, input_ids.shape[1]
         post, state = self.draft_pass(input_ids, hidden, cache)
+        if counts is not None:
+            cache.set_lengths([s + n for s, n in zip(starts, counts)])
+            rows, seqs = torch.tensor(counts, device=post.device) - 1, torch.arange(len(counts), device=post.device)
+            post, state = post[seqs, rows][:, None], state[seqs, rows][:, None]
         if last is not None:
+            start = starts[0]
             row = last.reshape(1)
             post, state = post.index_select(1, row), state.index_select(1, row)
-        tokens, probs = [], []
+        tokens, probs, unsure = [], [], None
         for i in range(k):
             t, p = self.greedy_pick(post[:, -1:])
             tokens.append(t), probs.append(p)
+            if stop_below is not None:  # a host read per step: only adaptive policies ask for it
+                unsure = (p < stop_below) if unsure is None else unsure | (p < stop_below)
+                if bool(unsure.all()):
+                    break
             if i + 1 < k and last is None:
                 post, state = self.draft_pass(t, state[:, -1:], cache)
             elif i + 1 < k:  # at start + last + 1 + i, a position only the device knows

@@ -31,8 +31,13 @@ from workbench.models.rope import RotaryEmbedding
 ABSORB_MAX_TOKENS = 16  # at most this many new tokens per call take the absorbed path under "auto"
 
 
-def causal_mask(num_new: int, start: int, device: torch.device) -> torch.Tensor:
-    """[T, start+T] bool: new token t (at absolute position start+t) sees keys 0..start+t."""
+def causal_mask(num_new: int, start: int | list[int], device: torch.device) -> torch.Tensor:
+    """[T, start+T] bool: new token t (at absolute position start+t) sees keys 0..start+t. With one
+    start per sequence, [B, 1, T, max(start)+T] (broadcast over heads): sequence b's token t sees
+    keys 0..start[b]+t."""
+    if isinstance(start, list):
+        q = torch.tensor(start, device=device)[:, None, None, None] + torch.arange(num_new, device=device)[:, None]
+        return torch.arange(max(start) + num_new, device=device) <= q
     q = torch.arange(num_new, device=device)[:, None] + start
     k = torch.arange(start + num_new, device=device)[None, :]
     return k <= q
@@ -113,7 +118,7 @@ class MLAttention(nn.Module):
 
     def attend_naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
                      mask: torch.Tensor | None) -> torch.Tensor:
-        """Per-head K/V expanded from the latent rows [B,S,L+R]; mask [T,S] bool (None: all visible)."""
+        """Per-head K/V expanded from the latent rows [B,S,L+R]; mask [T,S] or [B,1,T,S] bool (None: all visible)."""
         B, T = q_nope.shape[:2]
         S = rows.shape[1]
         c_kv, k_pe = rows.split([self.kv_lora, self.rope], dim=-1)
@@ -140,20 +145,25 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                 layer: int = 0, path: str = "auto") -> torch.Tensor:
-        """Attend the new tokens x [B,T,in] to the cache's first `cache.length` tokens and themselves.
+        """Attend the new tokens x [B,T,in] to each sequence's cached tokens and themselves.
 
-        Writes the new rows into `cache` at `cache.length`; the caller advances the length once
-        every layer has written. Without a cache the tokens attend causally among themselves.
+        Writes the new rows into `cache` at each sequence's length (`cache.start`); the caller
+        advances the lengths once every layer has written. Without a cache the tokens attend
+        causally among themselves.
         """
         T = x.shape[1]
         q_nope, q_pe, new_rows = self.project(x, positions)
         if cache is None:
             mask = causal_mask(T, 0, x.device) if T > 1 else None
             return self.o_proj(self.attend_naive(q_nope, q_pe, new_rows, mask))
-        start = cache.length
+        start = cache.start
         rows = cache.write(layer, start, new_rows)
         if path == "absorbed" or (path == "auto" and T <= ABSORB_MAX_TOKENS):
-            return self.o_proj(self.attend_absorbed(q_nope, q_pe, cache.layer(layer), start + T, start + T))
+            if isinstance(start, list):  # sequences of different lengths: each its own end
+                ends, bound = torch.tensor(start, device=x.device) + T, max(start) + T
+            else:
+                ends = bound = start + T
+            return self.o_proj(self.attend_absorbed(q_nope, q_pe, cache.layer(layer), ends, bound))
         return self.o_proj(self.attend_naive(q_nope, q_pe, rows, causal_mask(T, start, x.device)))
 
     def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int,

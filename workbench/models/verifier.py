@@ -89,15 +89,16 @@ class Verifier(nn.Module):
                 logits_to_keep: int = 0, path: str = "auto") -> VerifierOutput:
         """input_ids [B, T] continuing `cache` (or from position 0 without one).
 
-        With a cache the new tokens' rows are appended and the length advanced by T.
+        With a cache the new tokens' rows are appended to each sequence (at its own length) and the
+        lengths advanced by T; a caller that padded a sequence's tokens truncates it afterwards.
         `logits_to_keep` > 0 computes logits for the last that many positions only.
         """
         T = input_ids.shape[1]
-        start = cache.length if cache is not None else 0
         if cache is not None:
             cache.check_room(T)
         if positions is None:
-            positions = torch.arange(start, start + T, device=input_ids.device)[None]
+            positions = (cache.positions(T, input_ids.device) if cache is not None
+                         else torch.arange(T, device=input_ids.device)[None])
         h = self.model.embed_tokens(input_ids)
         aux = []
         for layer in self.model.layers:
