@@ -33,6 +33,7 @@ class StepEvent:
     draft_time: float = 0.0  # seconds drafting (a fused step: its acceptance and drafting the next proposals)
     verify_time: float = 0.0  # seconds verifying (the prefill's: the prompt's forward)
     finish_reason: str | None = None  # set on the last event: "eos" | "stop" | "length" | "context"
+    batch_size: int = 1  # requests in the verifier forward that made this step (the batched engine's)
 
     @property
     def k(self) -> int:
@@ -83,6 +84,7 @@ class GenerationResult:
     finish_reason: str = "length"
     k: int = 0  # 0 for the autoregressive baseline
     acceptance_rule: str = "none (autoregressive)"  # which rule judged the proposals (SpecDecoder.acceptance_rule)
+    error: str | None = None  # why a request of a batch failed alone (finish_reason "error")
 
     def to_dict(self) -> dict:
         return {
@@ -95,4 +97,5 @@ class GenerationResult:
             "steps": [e.to_dict() for e in self.events],
             "stats": self.stats.to_dict(),
             "accept_length": self.stats.accept_length,
+            "error": self.error,
         }

@@ -1,0 +1,204 @@
+"""How many tokens each request drafts this step: k policies for the batched engine.
+
+A policy answers three questions for a request (by its id) in every step of `BatchDecoder`:
+
+    choose(rid, k, batch_size)  the most proposals to draft now (<= k, the request's own cap)
+    trim(rid, probs)            of those drafted, how many to verify (the draft's probability of each)
+    observe(rid, proposed, accepted)   what the verifier kept
+
+- `StaticK`: always the request's k (vLLM's `num_speculative_tokens`).
+- `ScheduleK`: k from the batch size (vLLM's `num_speculative_tokens_per_batch_size`).
+- `ConfidenceStop`: verify the proposals up to the first whose draft probability is below a
+  threshold (SGLang's and vLLM's "stop drafting when the draft is unsure"); the draft's chain
+  itself ends once every row of the batch has drafted such a token (`stop_below`).
+- `GoodputEMA`: per request, an exponential average of the acceptance at each draft position; k
+  maximises the expected tokens per unit of step cost, E(k) / cost(B, k), with the step's cost
+  measured on this machine (`StepCosts`), relative to a plain decode at the same batch size
+  (vLLM #47111's per-position EMA goodput rule).
+- `Compose(a, b, ...)`: the smallest k any of them allows.
+
+Every policy works with any draft: it sees only ids, counts and the draft's probabilities.
+Losslessness never depends on it: the verifier judges whatever is proposed.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class KPolicy(Protocol):
+    name: str
+    stop_below: float | None  # the draft's chain may end once every row drafted a token below this
+
+    def choose(self, rid: int, k: int, batch_size: int) -> int: ...
+
+    def trim(self, rid: int, probs: Sequence[float]) -> int: ...
+
+    def observe(self, rid: int, proposed: int, accepted: int) -> None: ...
+
+    def forget(self, rid: int) -> None: ...
+
+
+class StaticK:
+    """The request's own k, every step."""
+
+    name = "static"
+    stop_below = None
+
+    def choose(self, rid: int, k: int, batch_size: int) -> int:
+        return k
+
+    def trim(self, rid: int, probs: Sequence[float]) -> int:
+        return len(probs)
+
+    def observe(self, rid: int, proposed: int, accepted: int) -> None:
+        pass
+
+    def forget(self, rid: int) -> None:
+        pass
+
+
+class ScheduleK(StaticK):
+    """k from the step's batch size, as vLLM's `num_speculative_tokens_per_batch_size` sets it
+    (`workbench.integrations.batch_schedule`), never above the request's own k."""
+
+    def __init__(self, schedule) -> None:
+        self.schedule = schedule
+        self.name = f"schedule {schedule.to_map()}"
+
+    def choose(self, rid: int, k: int, batch_size: int) -> int:
+        return min(k, self.schedule.k_for(batch_size))
+
+
+class ConfidenceStop(StaticK):
+    """Verify the proposals before the first whose draft probability is below `threshold` (at
+    least `min_k`, so a request never stops drafting for good)."""
+
+    def __init__(self, threshold: float = 0.5, min_k: int = 1) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
+            raise ValueError(f"ConfidenceStop: threshold = {threshold!r}; expected a probability in (0, 1)")
+        if isinstance(min_k, bool) or not isinstance(min_k, int) or min_k < 0:
+            raise ValueError(f"ConfidenceStop: min_k = {min_k!r}; expected an integer >= 0")
+        self.threshold, self.min_k = float(threshold), min_k
+        self.stop_below = self.threshold
+        self.name = f"confidence >= {threshold:g}"
+
+    def trim(self, rid: int, probs: Sequence[float]) -> int:
+        sure = next((i for i, p in enumerate(probs) if p < self.threshold), len(probs))
+        return min(len(probs), max(self.min_k, sure))
+
+
+@dataclass
+class StepCosts:
+    """What a step with k proposals costs at batch size B, in plain decodes at that batch size
+    (t_step(B, k) / t_decode(B)), from measured points {(B, k): cost}. Between measured batch sizes
+    the cost is interpolated in log2(B) and held beyond them; past the largest measured k it grows
+    by the last measured step in k (a line, as `costmodel` fits one)."""
+
+    points: Mapping[tuple[int, int], float]
+    source: str = "measured"
+    _by_b: dict = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        by_b: dict[int, dict[int, float]] = {}
+        for (b, k), c in self.points.items():
+            if not (isinstance(b, int) and b >= 1 and isinstance(k, int) and k >= 0 and c > 0 and math.isfinite(c)):
+                raise ValueError(f"StepCosts: point ({b!r}, {k!r}) -> {c!r}; expected batch size >= 1, k >= 0 "
+                                 "and a finite cost > 0")
+            by_b.setdefault(b, {})[k] = float(c)
+        if not by_b:
+            raise ValueError("StepCosts: no points; expected measured {(batch_size, k): cost}")
+        self._by_b = dict(sorted(by_b.items()))
+
+    def _at(self, b: int, k: int) -> float:
+        ks = {0: 1.0, **self._by_b[b]}  # a step with nothing proposed is a plain decode
+        known = sorted(ks)
+        if k in ks:
+            return ks[k]
+        lo = max((x for x in known if x < k), default=known[0])
+        hi = min((x for x in known if x > k), default=None)
+        if hi is None:  # past the largest measured k: the last measured step in k, continued
+            lo, hi = (known[-2], known[-1]) if len(known) > 1 else (known[-1], known[-1])
+            if lo == hi:
+                return ks[hi]
+        return ks[lo] + (ks[hi] - ks[lo]) * (k - lo) / (hi - lo)
+
+    def __call__(self, batch_size: int, k: int) -> float:
+        bs = list(self._by_b)
+        if batch_size <= bs[0] or batch_size >= bs[-1]:
+            return self._at(bs[0] if batch_size <= bs[0] else bs[-1], k)
+        hi = next(b for b in bs if b >= batch_size)
+        lo = max(b for b in bs if b <= batch_size)
+        if lo == hi:
+            return self._at(lo, k)
+        w = (math.log2(batch_size) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        return (1 - w) * self._at(lo, k) + w * self._at(hi, k)
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """E(k) = 1 + sum_j prod_{i<j} rates[i]: tokens a step emits with k proposals, from the
+    conditional acceptance at each position (the bonus or correction included)."""
+    total, reach = 1.0, 1.0
+    for i in range(k):
+        reach *= rates[min(i, len(rates) - 1)]
+        total += reach
+    return total
+
+
+class GoodputEMA(StaticK):
+    """k = argmax E(k) / cost(B, k) per request, E from an exponential moving average of its
+    conditional acceptance at each draft position (`alpha` the weight of the newest step).
+
+    A position the verifier never saw keeps its estimate; when k = 0 is chosen nothing is observed,
+    so every estimate drifts back toward `prior` by `alpha` a step and the request probes again."""
+
+    def __init__(self, costs, k_max: int = 8, alpha: float = 0.25, prior: float = 0.7) -> None:
+        for name, value in (("alpha", alpha), ("prior", prior)):
+            if not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"GoodputEMA: {name} = {value!r}; expected a number in (0, 1]")
+        self.costs, self.k_max, self.alpha, self.prior = costs, k_max, float(alpha), float(prior)
+        self.rates: dict[int, list[float]] = {}
+        self.name = f"goodput EMA (alpha {alpha:g}, costs {getattr(costs, 'source', 'given')})"
+
+    def choose(self, rid: int, k: int, batch_size: int) -> int:
+        rates = self.rates.setdefault(rid, [self.prior] * self.k_max)
+        best = max(range(min(k, self.k_max) + 1), key=lambda j: (expected_tokens(rates, j) / self.costs(batch_size, j), -j))
+        if best == 0:  # nothing will be observed: forget a little, so that a later step tries again
+            rates[:] = [(1 - self.alpha) * r + self.alpha * self.prior for r in rates]
+        return best
+
+    def observe(self, rid: int, proposed: int, accepted: int) -> None:
+        rates = self.rates.setdefault(rid, [self.prior] * self.k_max)
+        for i in range(min(proposed, accepted + 1, self.k_max)):  # position i was judged iff 0..i-1 were accepted
+            rates[i] = (1 - self.alpha) * rates[i] + self.alpha * (1.0 if i < accepted else 0.0)
+
+    def forget(self, rid: int) -> None:
+        self.rates.pop(rid, None)
+
+
+class Compose:
+    """Several policies at once: the smallest k any allows, the fewest proposals any keeps."""
+
+    def __init__(self, *policies: KPolicy) -> None:
+        if not policies:
+            raise ValueError("Compose: expected at least one policy")
+        self.policies = policies
+        stops = [p.stop_below for p in policies if p.stop_below is not None]
+        self.stop_below = max(stops) if stops else None
+        self.name = " + ".join(p.name for p in policies)
+
+    def choose(self, rid: int, k: int, batch_size: int) -> int:
+        return min(p.choose(rid, k, batch_size) for p in self.policies)
+
+    def trim(self, rid: int, probs: Sequence[float]) -> int:
+        return min(p.trim(rid, probs) for p in self.policies)
+
+    def observe(self, rid: int, proposed: int, accepted: int) -> None:
+        for p in self.policies:
+            p.observe(rid, proposed, accepted)
+
+    def forget(self, rid: int) -> None:
+        for p in self.policies:
+            p.forget(rid)

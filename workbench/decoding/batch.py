@@ -1,0 +1,455 @@
+"""Batched speculative decoding: many requests decode together, each on its own.
+
+    rid = dec.submit(prompt, ...)      checked at once, then queued
+    dec.step():
+        admit queued requests into free slots, each prefilled alone into its slot of the caches
+        ks = each row's k this step: its request's k, the k policy, the room left in its context
+        proposals = one draft chain over every row (each continues from its own newly verified positions)
+        out = verifier([last token] + proposals of every row, padded to the longest)   # one forward
+        each row accepts with its own acceptor, settings and generator; its caches roll back alone
+        rows that finish leave; the rows still decoding keep slots 0..n-1 (continuous batching)
+
+Rows never see each other. A row's attention reads only its own slot of each cache, up to its own
+length; its padded positions lie past that length, where none of its queries look, and the next
+step overwrites them. Every CPU kernel computes each token's row alone, so with them a row's
+tokens equal its batch-1 decoding bit for bit, in bf16 too; on torch's operations a batch can
+round differently in the last bit, so greedy output is exact in fp32 (where a flip needs an exact
+tie) and follows the tie rule in bf16. Rows with different k share a step this way, by padding:
+each verifies its own k + 1 tokens (per-row k, not a group per k).
+
+With `num_speculative_tokens=0` the same engine is the autoregressive baseline, batched alike:
+one token a row per forward.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from workbench.decoding.adaptive import KPolicy, StaticK
+from workbench.decoding.engine import (MAX_K, RequestError, _Emitter, _Request, _result, _validate_common,
+                                       sampling_params)
+from workbench.decoding.events import GenerationResult, StepEvent
+from workbench.decoding.logits import Context
+from workbench.decoding.proposers import NgramProposer, Proposal
+from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingError, SamplingParams, Verdict,
+                                         acceptor_for, check_finite, next_token, shown_prob)
+
+
+@dataclass
+class _Row:
+    """A request while it decodes (or waits to)."""
+
+    rid: int
+    req: _Request
+    k: int  # the request's most proposals a step
+    params: SamplingParams
+    acceptor: Acceptor
+    seed: int
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    emitter: _Emitter | None = None
+    verified: list[int] = field(default_factory=list)
+    aux: tuple[torch.Tensor, ...] = ()  # verifier states [1, n, H] of the positions the draft has not seen
+    seen: int = 0  # positions whose draft cache rows are final
+    events: list[StepEvent] = field(default_factory=list)
+    t_start: float = 0.0  # when its prefill began
+    t_first: float = 0.0  # when its prefill ended
+    t_end: float = 0.0
+    finish: str | None = None  # why it ended: the emitter's reason, "cancelled" or "error"
+    error: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.prompt_ids)
+
+
+class BatchDrafter(Protocol):
+    """Where a batch's proposals come from: state per slot, proposals for every row at once."""
+
+    name: str
+    needs_aux: bool  # whether rows must keep the verifier's aux states for it
+
+    def admit(self, slot: int, row: _Row, aux: tuple[torch.Tensor, ...]) -> None: ...
+
+    def propose(self, rows: list[_Row], ks: list[int], stop_below: float | None) -> list[Proposal]: ...
+
+    def move(self, src: int, dst: int) -> None: ...
+
+
+class EagleBatchDrafter:
+    """EAGLE-3 chain drafting for every row at once: row b's draft cache is slot b of one cache.
+
+    A row's first pass covers its newly verified positions (1 to k+1 of them, padded to the
+    longest), then k-1 passes of one token each, all rows together (`Eagle3Draft.greedy_chain`
+    with `counts`). Greedy proposals, as vLLM's EAGLE drafts: q is one-hot."""
+
+    needs_aux = True
+
+    def __init__(self, draft, slots: int, max_len: int) -> None:
+        self.draft = draft
+        self.cache = draft.new_cache(max_len, batch=slots)
+        self.name = f"eagle3-{draft.attention_kind}"
+
+    def admit(self, slot: int, row: _Row, aux: tuple[torch.Tensor, ...]) -> None:
+        """The draft's pass over the prompt but its last position (alone, as a batch-1 request's)."""
+        cache = self.cache.view(slot)
+        cache.length = 0
+        n = row.prompt_len
+        if n > 1:
+            ids = torch.tensor([row.verified[1:n]], device=aux[0].device)
+            self.draft(ids, self.draft.combine_hidden_states(tuple(h[:, :-1] for h in aux)), cache)
+        row.seen, row.aux = n - 1, tuple(h[:, -1:] for h in aux)
+
+    def propose(self, rows: list[_Row], ks: list[int], stop_below: float | None) -> list[Proposal]:
+        B, k = len(rows), max(ks)
+        cache = self.cache.view(0, B)
+        cache.set_lengths([r.seen for r in rows])  # the last chain's provisional rows go
+        counts = [r.aux[0].shape[1] for r in rows]
+        width = max(counts)
+        dev = rows[0].aux[0].device
+        ids = torch.tensor([r.verified[r.seen + 1:] + [0] * (width - n) for r, n in zip(rows, counts)], device=dev)
+        aux = tuple(torch.cat([torch.nn.functional.pad(r.aux[i], (0, 0, 0, width - n)) for r, n in zip(rows, counts)])
+                    for i in range(len(rows[0].aux)))  # [B, width, H] per aux layer, zeros past each row's own
+        tokens, probs = self.draft.greedy_chain(ids, aux, cache, k, counts=counts, stop_below=stop_below)
+        tokens, probs = tokens.tolist(), probs.tolist()
+        for r in rows:
+            r.seen, r.aux = len(r.verified) - 1, ()
+        return [Proposal(t[:kb], None, p[:kb]) for t, p, kb in zip(tokens, probs, ks)]
+
+    def move(self, src: int, dst: int) -> None:
+        self.cache.move(src, dst)
+
+
+class NgramBatchDrafter:
+    """Prompt lookup for each row (no model, no cache)."""
+
+    needs_aux = False
+    name = "ngram"
+
+    def __init__(self) -> None:
+        self.lookup = NgramProposer()
+
+    def admit(self, slot: int, row: _Row, aux) -> None:
+        pass
+
+    def propose(self, rows: list[_Row], ks: list[int], stop_below: float | None) -> list[Proposal]:
+        return [self.lookup.propose(r.verified, None, k) if k else Proposal([], None, []) for r, k in zip(rows, ks)]
+
+    def move(self, src: int, dst: int) -> None:
+        pass
+
+
+@dataclass
+class BatchStep:
+    """One batched step: its rows, their ks, and its clock (every row's event carries the same times)."""
+
+    batch_size: int
+    ks: list[int]
+    draft_s: float
+    verify_s: float
+    wall_s: float  # the whole step: drafting, the verify, acceptance and events
+
+
+class BatchDecoder:
+    """Speculative decoding (or, with k = 0, plain decoding) of up to `max_batch_size` requests at once.
+
+    `num_speculative_tokens` is the most any request drafts (the caches are sized for it, as vLLM's
+    is); each request may ask for fewer, and `policy` (`workbench.decoding.adaptive`) sets each
+    row's k every step. `proposer` is "eagle" (the pair's draft), "ngram" or a `BatchDrafter`.
+    `max_len` caps every request's context (default: the verifier's).
+    """
+
+    def __init__(self, pair, num_speculative_tokens: int = 3, max_batch_size: int = 8, max_len: int | None = None,
+                 policy: KPolicy | None = None, proposer: str | BatchDrafter = "eagle",
+                 attention: str = "auto") -> None:
+        k, B = num_speculative_tokens, max_batch_size
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_K:
+            raise RequestError(f"num_speculative_tokens = {k!r}; expected an integer in [0, {MAX_K}] (0: autoregressive)")
+        if isinstance(B, bool) or not isinstance(B, int) or B < 1:
+            raise RequestError(f"max_batch_size = {B!r}; expected an integer >= 1")
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
+            raise RequestError(f"max_len = {max_len!r}; expected an integer >= 2 (a prompt token and a new one)")
+        self.pair = pair = pair.with_attention(attention)
+        self.k_max, self.max_batch_size = k, B
+        self.context = min(max_len or pair.context_length, pair.context_length)
+        # A step writes up to k + 1 rows per sequence, padding included, past a length that is below the context.
+        self.vcache = pair.verifier.new_cache(self.context + k + 1, batch=B)
+        self.drafter = None
+        if k and proposer == "eagle":
+            if pair.draft is None:
+                raise RequestError("proposer 'eagle' needs a draft; this pair has none (use proposer='ngram')")
+            self.drafter = EagleBatchDrafter(pair.draft, B, self.context + 2 * k + 1)  # + a chain's k-1 provisional rows
+        elif k and proposer == "ngram":
+            self.drafter = NgramBatchDrafter()
+        elif k and not isinstance(proposer, str):
+            self.drafter = proposer
+        elif k:
+            raise RequestError(f"proposer = {proposer!r}; expected 'eagle' or 'ngram'")
+        self.policy = policy or StaticK()
+        self.rows: list[_Row] = []  # decoding, in slot order
+        self.queue: deque[_Row] = deque()
+        self.finished: dict[int, _Row] = {}
+        self.history: list[BatchStep] = []
+        self._next_id = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def submit(self, prompt: str | list[int], max_new_tokens: int = 128, k: int | None = None,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+               stop: str | list[str] | None = None, heal: bool = False, acceptor: str | None = None,
+               **constraints) -> int:
+        """Queue a request; returns its id. Bad settings raise RequestError / SamplingError now; a
+        prompt that leaves no room in the context is refused here, alone."""
+        k = self.k_max if k is None else k
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k_max:
+            raise RequestError(f"k = {k!r}; expected an integer in [0, {self.k_max}] (this engine's "
+                               "num_speculative_tokens)")
+        req = _validate_common(self.pair, prompt, max_new_tokens, stop, self.context, heal)
+        params = sampling_params(self.pair, temperature, top_p, top_k, **constraints)
+        row = _Row(self._next_id, req, k, params, acceptor_for(params, acceptor), seed)
+        self._next_id += 1
+        self.queue.append(row)
+        return row.rid
+
+    def cancel(self, rid: int) -> bool:
+        """Stop a request (queued or decoding); False if it already ended."""
+        for i, row in enumerate(self.rows):
+            if row.rid == rid:
+                self._finish(row, "cancelled")
+                self._leave(i)
+                return True
+        for row in self.queue:
+            if row.rid == rid:
+                self.queue.remove(row)
+                self._finish(row, "cancelled")
+                return True
+        return False
+
+    @property
+    def idle(self) -> bool:
+        return not self.rows and not self.queue
+
+    def result(self, rid: int) -> GenerationResult:
+        """A finished request's result, as `SpecDecoder.generate` gives it (`error` set if it failed alone)."""
+        row = self.finished[rid]
+        if row.emitter is None:  # never prefilled (cancelled in the queue, or refused)
+            res = GenerationResult([], "", [], _empty_stats(), row.req.prompt_ids, row.finish, row.k,
+                                   self.acceptance_rule(row))
+        else:
+            res = _result(row.events, row.emitter, row.t_end - row.t_start, row.k, self.acceptance_rule(row))
+            res.finish_reason = row.finish
+        res.error = row.error
+        return res
+
+    def acceptance_rule(self, row: _Row) -> str:
+        if not self.k_max or not row.k:
+            return "none (autoregressive)"
+        name = row.acceptor.name
+        return name if isinstance(row.acceptor, GreedyAcceptor) else f"{name} (greedy draft, one-hot q)"
+
+    def generate_many(self, prompts: list, **settings) -> list[GenerationResult]:
+        """Every prompt through the batch (at most max_batch_size at once, the rest joining as rows
+        finish); results in the prompts' order. `settings` as `submit` takes them, the same for all."""
+        ids = [self.submit(p, **settings) for p in prompts]
+        while not self.idle:
+            self.step()
+        return [self.result(i) for i in ids]
+
+    def stream(self) -> Iterator[tuple[int, StepEvent]]:
+        """(request id, event) as the steps make them, until every request submitted so far has ended."""
+        while not self.idle:
+            yield from self.step()
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, StepEvent]]:
+        """Admit what fits, then one batched speculative step; returns each row's event."""
+        t0 = time.perf_counter()
+        out: list[tuple[int, StepEvent]] = []
+        self._admit(out)
+        if not self.rows:
+            return out
+        rows, B = self.rows, len(self.rows)
+        vcache = self.vcache.view(0, B)
+        lengths = vcache.lengths
+        ks = [self._k_now(r, n, B) for r, n in zip(rows, lengths)]
+        t = time.perf_counter()
+        props = (self.drafter.propose(rows, ks, self.policy.stop_below) if self.drafter and any(ks)
+                 else [Proposal([], None, []) for _ in rows])
+        props = [Proposal(p.tokens[:n], None, p.token_probs[:n])
+                 for p, n in zip(props, (self.policy.trim(r.rid, p.token_probs) if p.tokens else 0
+                                         for r, p in zip(rows, props)))]
+        t_draft = time.perf_counter() - t
+        t = time.perf_counter()
+        width = 1 + max(len(p.tokens) for p in props)
+        x = torch.tensor([[r.verified[-1]] + p.tokens + [r.verified[-1]] * (width - 1 - len(p.tokens))
+                          for r, p in zip(rows, props)], device=self.pair.device)
+        v = self.pair.verifier(x, vcache)
+        verdicts = self._accept(rows, props, v.logits)
+        vcache.truncate([n + 1 + (d.num_accepted if d else 0) for n, d in zip(lengths, verdicts)])
+        if self.drafter is not None and self.drafter.needs_aux:
+            for b, (r, d) in enumerate(zip(rows, verdicts)):
+                new = tuple(h[b:b + 1, : (d.num_accepted if d else 0) + 1] for h in v.aux_hidden_states)
+                # after a step that drafted nothing the draft has not seen the last ones yet either
+                r.aux = tuple(torch.cat(pair, 1) for pair in zip(r.aux, new)) if r.aux else new
+        t_verify = time.perf_counter() - t
+        for r, p, d in zip(rows, props, verdicts):
+            if d is not None:
+                self.policy.observe(r.rid, len(p.tokens), d.num_accepted)
+                out.append((r.rid, self._emit(r, p, d, B, t_draft, t_verify)))
+        self.history.append(BatchStep(B, [len(p.tokens) for p in props], t_draft, t_verify, time.perf_counter() - t0))
+        for i in reversed(range(B)):  # from the end, so each move brings a row that is staying
+            if rows[i].emitter.finish is not None:
+                self._leave(i)
+        return out
+
+    def _k_now(self, row: _Row, cached: int, batch_size: int) -> int:
+        """The row's k this step: its policy's choice, within its context and its token budget (0: a plain decode)."""
+        if not self.k_max:
+            return 0
+        k = self.policy.choose(row.rid, row.k, batch_size)
+        return max(0, min(k, row.req.max_len - cached - 1, row.emitter.room()))
+
+    def _accept(self, rows: list[_Row], props: list[Proposal], logits: torch.Tensor) -> list[Verdict | None]:
+        """Each row's verdict over its own k + 1 positions; a row whose logits or settings fail ends alone (None)."""
+        verdicts: list[Verdict | None] = [None] * len(rows)
+        plain = [b for b, r in enumerate(rows) if isinstance(r.acceptor, GreedyAcceptor) and r.params.greedy
+                 and r.params.plain]
+        if plain:  # the greedy rows' argmaxes and probabilities in a few tensor ops
+            for b, d in zip(plain, _greedy_verdicts(logits[plain], [props[b].tokens for b in plain])):
+                verdicts[b] = d
+        for b, (r, p) in enumerate(zip(rows, props)):
+            k = len(p.tokens)
+            try:
+                check_finite(logits[b, :k + 1], f"request {r.rid}: verifier logits at step {len(r.events)}")
+                if verdicts[b] is None:
+                    context = Context(r.verified[:r.prompt_len], r.verified[r.prompt_len:])
+                    verdicts[b] = r.acceptor.verify(p.tokens, None, logits[b, :k + 1], r.params, r.generator, context)
+            except (SamplingError, ValueError) as e:
+                verdicts[b] = None
+                self._finish(r, "error", str(e))
+        return verdicts
+
+    def _emit(self, r: _Row, p: Proposal, d: Verdict, batch_size: int, t_draft: float, t_verify: float) -> StepEvent:
+        """Take the row's accepted tokens (a stop inside them drops the rest) and make its event."""
+        a, em = d.num_accepted, r.emitter
+        emitted = p.tokens[:a] + [d.next_token]
+        status = ["accepted"] * a + ["bonus" if a == len(p.tokens) else "corrected"]
+        vprobs = d.verifier_probs[:a] + [d.next_token_prob]
+        proposed_text = self.pair.tokenizer.token_texts(p.tokens, prefix=r.verified[-8:]) if p.tokens else []
+        position, texts = len(r.verified), []
+        for tok in emitted:
+            texts.append(em.add(tok))
+            if em.finish:
+                break
+        n = len(texts)
+        r.verified += emitted[:n]
+        ev = StepEvent(step=len(r.events), kind="spec" if self.k_max and r.k else "decode", proposed=p.tokens,
+                       proposed_text=proposed_text, draft_probs=p.token_probs, verifier_probs=d.verifier_probs,
+                       num_accepted=a, emitted=emitted[:n], emitted_text=texts, emitted_status=status[:n],
+                       emitted_verifier_probs=vprobs[:n], position=position, draft_time=t_draft,
+                       verify_time=t_verify, finish_reason=em.finish, batch_size=batch_size)
+        r.events.append(ev)
+        if em.finish:
+            self._finish(r, em.finish)
+        return ev
+
+    # ---- joining and leaving -------------------------------------------------------------------
+
+    def _admit(self, out: list[tuple[int, StepEvent]]) -> None:
+        """Prefill queued requests into free slots, one at a time; a request that fails there ends alone."""
+        while self.queue and len(self.rows) < self.max_batch_size:
+            row, slot = self.queue.popleft(), len(self.rows)
+            try:
+                ev, aux = self._prefill(row, self.vcache.view(slot))
+            except (SamplingError, ValueError) as e:
+                self._finish(row, "error", str(e))
+                continue
+            out.append((row.rid, ev))
+            if row.emitter.finish:
+                self._finish(row, row.emitter.finish)
+                continue
+            self.rows.append(row)
+            if self.drafter is not None:
+                self.drafter.admit(slot, row, aux)
+
+    def _prefill(self, row: _Row, cache) -> tuple[StepEvent, tuple[torch.Tensor, ...]]:
+        """The request's prompt into its slot and its first token, as `SpecDecoder.prefill` does."""
+        row.t_start = time.perf_counter()
+        row.generator.manual_seed(row.seed)
+        row.emitter = em = _Emitter(self.pair, row.req)
+        cache.length = 0
+        ids = row.req.prompt_ids
+        out = self.pair.verifier(torch.tensor([ids], device=self.pair.device), cache, logits_to_keep=1)
+        logits = row.req.first_logits(out.logits[0, -1])
+        check_finite(logits, f"request {row.rid}: verifier logits at the prompt's last position")
+        first = next_token(logits, row.params, row.generator, Context(ids))
+        piece = em.add(first)
+        row.verified = ids + [first]
+        row.t_first = time.perf_counter()
+        ev = StepEvent(step=0, kind="prefill", emitted=[first], emitted_text=[piece], emitted_status=["bonus"],
+                       emitted_verifier_probs=[shown_prob(logits, row.params, first, Context(ids))],
+                       position=len(ids), verify_time=row.t_first - row.t_start, finish_reason=em.finish)
+        row.events.append(ev)
+        return ev, out.aux_hidden_states
+
+    def _finish(self, row: _Row, reason: str, error: str | None = None) -> None:
+        row.t_end = time.perf_counter()
+        row.error, row.finish = error, reason
+        if row.emitter is not None and row.emitter.finish is None:
+            row.emitter.finish = reason
+        self.policy.forget(row.rid)
+        self.finished[row.rid] = row
+
+    def _leave(self, i: int) -> None:
+        """Row i leaves; the last row moves into its slot (its cache rows with it)."""
+        last = len(self.rows) - 1
+        if i != last:
+            self.vcache.move(last, i)
+            if self.drafter is not None:
+                self.drafter.move(last, i)
+            self.rows[i] = self.rows[last]
+        self.rows.pop()
+
+    # ---- accounting ----------------------------------------------------------------------------
+
+    def cache_bytes(self) -> dict[str, int]:
+        """Bytes allocated for the caches of `max_batch_size` rows (verifier, draft)."""
+        draft = self.drafter.cache.nbytes_allocated if isinstance(self.drafter, EagleBatchDrafter) else 0
+        return {"verifier": self.vcache.nbytes_allocated, "draft": draft}
+
+    def cache_rows(self) -> dict[str, int]:
+        """Rows (token positions) each slot holds, per cache: the context plus a step's overhang."""
+        draft = self.drafter.cache.max_len if isinstance(self.drafter, EagleBatchDrafter) else 0
+        return {"verifier": self.vcache.max_len, "draft": draft}
+
+
+def _greedy_verdicts(logits: torch.Tensor, proposals: list[list[int]]) -> list[Verdict]:
+    """GreedyAcceptor's verdicts for rows of plain greedy settings at once: logits [G, T, V] (each
+    row's first k+1 positions its own), argmaxes and softmax probabilities over fp32 (exact for bf16)."""
+    logits = logits.float()
+    G, T = logits.shape[:2]
+    top = logits.argmax(-1)  # [G, T]
+    lse = logits.logsumexp(-1)
+    chosen = torch.tensor([p + [0] * (T - len(p)) for p in proposals], device=logits.device)
+    p_prop = (logits.gather(-1, chosen[..., None])[..., 0] - lse).exp().tolist()
+    p_top = (logits.gather(-1, top[..., None])[..., 0] - lse).exp().tolist()
+    top = top.tolist()
+    verdicts = []
+    for g, p in enumerate(proposals):
+        a = 0
+        while a < len(p) and p[a] == top[g][a]:
+            a += 1
+        verdicts.append(Verdict(a, top[g][a], p_prop[g][:len(p)], p_top[g][a]))
+    return verdicts
+
+
+def _empty_stats():
+    from workbench.analysis.metrics import compute_stats
+
+    return compute_stats([])
