@@ -185,6 +185,8 @@ def _bench_text(r: dict) -> str:
 
 
 def cmd_sweep(args) -> int:
+    if args.batch_sizes:
+        return _batch_sweep(args)
     from workbench.analysis.sweep import run_sweep
 
     ks = _numbers("--ks", args.ks, int)
@@ -197,6 +199,59 @@ def cmd_sweep(args) -> int:
                     k_max=args.k_max, draft_name=args.draft_name, warmup=not args.no_warmup,
                     acceptor=args.acceptor, draft_sampling=args.draft_sampling)
     print(json.dumps(res.to_dict()) if args.json else res.summary())
+    return 0
+
+
+def _batch_sweep(args) -> int:
+    """`sweep --batch-sizes`: every k (0 = the batched baseline) at every batch size (`analysis.batching`)."""
+    from workbench.analysis.batching import run_batch_sweep
+
+    sizes = _numbers("--batch-sizes", args.batch_sizes, int)
+    ks = _numbers("--ks", args.ks, int)
+    prompts = read_prompts(args.prompts, args.limit)
+    if args.temperatures != "0" or args.synthetic_rates or args.acceptor:
+        raise ValueError("--batch-sizes measures greedy decoding with the draft; expected no --temperatures, "
+                         "--synthetic-rates or --acceptor with it")
+    res = run_batch_sweep(_load(args), prompts, sizes, ks, args.max_new_tokens, args.repeats,
+                          warmup=not args.no_warmup)
+    print(json.dumps(res.to_dict()) if args.json else res.summary())
+    return 0
+
+
+def cmd_adaptive(args) -> int:
+    """Adaptive k against every static k on the same prompts, the goodput rule's step costs measured
+    first on other prompts (`--cost-prompts`) at the same batch size."""
+    from workbench.analysis.batching import compare_policies, default_policies, run_batch_sweep
+    from workbench.decoding.adaptive import ConfidenceStop
+
+    ks = _numbers("--ks", args.ks, int)
+    pair = _load(args)
+    calibration = read_prompts(args.cost_prompts)
+    calibration = (calibration * args.batch_size)[:max(args.batch_size, len(calibration))]  # a full batch at least
+    costs = run_batch_sweep(pair, calibration, [args.batch_size], ks, args.max_new_tokens, repeats=1,
+                            gpu=False).step_costs()
+    policies = default_policies(costs, max(ks))
+    if args.confidence is not None:
+        policies = {f"confidence {args.confidence:g}": ConfidenceStop(args.confidence), "goodput EMA":
+                    policies["goodput EMA"]}
+    out = compare_policies(pair, read_prompts(args.prompts, args.limit), policies, ks, args.batch_size,
+                           args.max_new_tokens, args.repeats)
+    rows = {n: {"tokens_per_s": r.tokens_per_s.to_dict(), "speedup": r.speedup.to_dict(),
+                "vs_best_static": r.vs_best_static.to_dict() if r.vs_best_static else None,
+                "accept_length": r.accept_length, "mean_k": r.mean_k, "matches_baseline": r.matches_baseline}
+            for n, r in out["results"].items()}
+    report = {k: v for k, v in out.items() if k not in ("results", "measurements")}
+    report.update(results=rows, costs={f"{b},{k}": c for (b, k), c in costs.points.items()})
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"adaptive k: {out['num_prompts']} prompts x {out['repeats']} repeats, batch size {out['batch_size']}, "
+              f"best static {out['best_static']}; decode tok/s, speedup over plain decoding, minus the best static's")
+        for n, r in out["results"].items():
+            diff = f"{r.vs_best_static.pooled:+.3f} [{r.vs_best_static.lo:+.3f}, {r.vs_best_static.hi:+.3f}]" \
+                if r.vs_best_static else ""
+            print(f"{n:>16} {r.tokens_per_s.median:8.0f} tok/s  {r.speedup.pooled:6.3f}x  accept {r.accept_length:5.3f}"
+                  f"  mean k {r.mean_k:4.2f}  {diff}  identical {r.matches_baseline}/{out['num_prompts']}")
     return 0
 
 
@@ -348,8 +403,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "only, not lossless), e.g. 0.9,0.8,0.7")
     p.add_argument("--k-max", type=int, default=None, help="how far the step-cost model extrapolates")
     p.add_argument("--draft-name", default=None, help="the draft's name in the printed speculative_config")
+    p.add_argument("--batch-sizes", default=None,
+                   help="e.g. 1,2,4,8,16: measure every k at each batch size through the batched engine (the "
+                        "baseline batched alike), the crossover and vLLM's num_speculative_tokens_per_batch_size")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_sweep)
+
+    p = sub.add_parser("adaptive", help="adaptive k (confidence stop, goodput EMA) against every static k")
+    _pair_args(p, dtype_default=None)
+    p.add_argument("--prompts", default=str(REPO / "assets/prompts/code.jsonl"))
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--cost-prompts", default=str(REPO / "assets/prompts/smoke.jsonl"),
+                   help="prompts on which the goodput rule's step costs are measured first")
+    p.add_argument("--ks", default="1,2,3,4,5,6", help="the static ks; the adaptive rules draft up to the largest")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--confidence", type=float, default=None, help="the confidence rule's threshold (default 0.5)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_adaptive)
 
     p = sub.add_parser("pd", help="prefill/decode disaggregation: acceptance and bytes per hand-over mode")
     _pair_args(p, dtype_default=None)

@@ -29,11 +29,13 @@ CONFIDENCE = 0.95
 
 @dataclass(frozen=True)
 class Arm:
-    """One way to decode a prompt: `k` = 0 is the autoregressive baseline."""
+    """One way to decode a prompt (or a group of prompts decoded together): `k` = 0 is the
+    autoregressive baseline. `clock` reads a run's `Timing` (default: one generation's)."""
 
     name: str
     k: int
     run: Callable[[str], GenerationResult] | None  # None in a finished measurement's record
+    clock: Callable[[object], "Timing"] | None = None
 
 
 @dataclass
@@ -184,15 +186,19 @@ def rotation(arms: Sequence[Arm], repeat: int, prompt: int) -> list[Arm]:
     return list(arms[i:]) + list(arms[:i])
 
 
-def check_protocol(prompts: Sequence[str], repeats: int) -> None:
-    if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+def check_protocol(prompts: Sequence, repeats: int) -> None:
+    """Prompts are non-empty strings, or groups of them (tuples: the requests of one batch)."""
+    def ok(p) -> bool:
+        return (isinstance(p, str) and bool(p)) or (isinstance(p, tuple) and bool(p) and all(ok(q) for q in p))
+
+    if isinstance(prompts, str) or not prompts or not all(ok(p) for p in prompts):
         raise ValueError("prompts: expected a non-empty list of non-empty strings (an empty prompt set "
                          "measures nothing)")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats = {repeats!r}; expected an integer >= 1")
 
 
-def measure(arms: Sequence[Arm], prompts: Sequence[str], repeats: int = 1, warmup: bool = True,
+def measure(arms: Sequence[Arm], prompts: Sequence, repeats: int = 1, warmup: bool = True,
             progress: Progress | None = None) -> Measurements:
     """Time every arm on every prompt, `repeats` times, interleaved and rotating (module docstring).
 
@@ -205,6 +211,7 @@ def measure(arms: Sequence[Arm], prompts: Sequence[str], repeats: int = 1, warmu
     if len(set(names)) != len(names):
         raise ValueError(f"arms: names {names}; expected each arm once")
     m = Measurements([Arm(a.name, a.k, None) for a in arms], len(prompts), repeats)  # no callables: picklable
+    clocks = {a.name: a.clock or Timing.of for a in arms}
     for a in arms:
         m.timings[a.name] = [[None] * len(prompts) for _ in range(repeats)]  # type: ignore[list-item]
         m.results[a.name] = [[None] * len(prompts) for _ in range(repeats)]  # type: ignore[list-item]
@@ -220,7 +227,7 @@ def measure(arms: Sequence[Arm], prompts: Sequence[str], repeats: int = 1, warmu
             if progress is not None:
                 progress(done, n, f"repeat {r + 1}/{repeats}, prompt {p + 1}/{len(prompts)}: {a.name}")
             res = a.run(prompts[p])
-            m.results[a.name][r][p], m.timings[a.name][r][p] = res, Timing.of(res)
+            m.results[a.name][r][p], m.timings[a.name][r][p] = res, clocks[a.name](res)
             done += 1
     if progress is not None:
         progress(n, n, "done")
