@@ -1,7 +1,11 @@
 """The workbench chat: every speculation step of the EAGLE-3 draft and its verifier, live.
 
-Each answer streams one `StepEvent` per verifier forward from `SpecDecoder.stream()`, and each
-token is coloured from the event's own per-token status, never by searching decoded text
+Each answer streams one `StepEvent` per verifier forward from the batched engine
+(`workbench.decoding.serving.BatchServer`): every user's request is a row of one batch that
+decodes in a thread of its own, rows joining and leaving between steps. Rows with different k
+share a step by padding (per-row k: each verifies its own k + 1 tokens), and each row keeps its
+own settings and seed, so a user's answer is what they would get alone. Each token is coloured
+from the event's own per-token status, never by searching decoded text
 (peers.md §1.1): an accepted draft proposal, the verifier's correction after a rejection, or the
 verifier's bonus after a fully accepted step (the prefill token counts as a bonus). Rejected
 proposals can be shown struck through. Race mode times the prompt again, speculative and plain
@@ -47,18 +51,28 @@ class PairSpec:
     dtype: str = "float32"
 
 
-if gr.NO_RELOAD:  # hot reload (`gradio apps/chat.py`) keeps the loaded weights
+if gr.NO_RELOAD:  # hot reload (`gradio apps/chat.py`) keeps the loaded weights and the engine
     _PAIRS: dict = {}
+    _SERVERS: dict = {}  # id(pair) -> the batched engine serving it
     _PAIRS_LOCK = threading.Lock()
+    MAX_BATCH = {"size": 4}  # rows of the engine's batch: --max-concurrency
 
 
 def get_pair(spec: PairSpec) -> wb.ModelPair:
-    """Load a pair once per process and share it read-only: every request builds its own
-    `SpecDecoder`, which owns its KV caches, so concurrent users never write into one cache."""
+    """Load a pair once per process and share it read-only: the engine owns every KV cache, one
+    slot per request, so concurrent users never write into one another's rows."""
     with _PAIRS_LOCK:
         if spec not in _PAIRS:
             _PAIRS[spec] = wb.load_pair(spec.verifier, spec.draft, device=spec.device, dtype=spec.dtype)
         return _PAIRS[spec]
+
+
+def server_for(pair: wb.ModelPair) -> wb.BatchServer:
+    """The one batched engine of this pair (started on first use): every answer and API call is a row of it."""
+    with _PAIRS_LOCK:
+        if id(pair) not in _SERVERS:
+            _SERVERS[id(pair)] = wb.BatchServer(pair, MAX_UI_K, MAX_BATCH["size"])
+        return _SERVERS[id(pair)]
 
 
 # ---- settings --------------------------------------------------------------------------------
@@ -261,14 +275,12 @@ def _autoregressive(pair: wb.ModelPair, prompt: str, s: Settings) -> wb.Generati
                                       heal=s.heal)
 
 
-def step_events(pair: wb.ModelPair, prompt: str, s: Settings,
-                dec: wb.SpecDecoder | None = None) -> Iterator[wb.StepEvent]:
-    """The steps of one answer: streamed from the speculative decoder (`dec`, or one for `s`), or the
-    autoregressive run's."""
-    if s.use_draft:
-        yield from (dec or decoder(pair, s)).stream(prompt, s.max_new_tokens, heal=s.heal)
-    else:
-        yield from _autoregressive(pair, prompt, s).events
+def submit(pair: wb.ModelPair, prompt: str, s: Settings) -> wb.Ticket:
+    """One answer as a row of the pair's batched engine: k proposals a step, or none (k = 0:
+    plain decoding) without the draft. Bad settings raise here, before anything runs."""
+    return server_for(pair).submit(prompt, max_new_tokens=s.max_new_tokens, k=s.k if s.use_draft else 0,
+                                   temperature=s.temperature, top_p=s.top_p, seed=s.seed, heal=s.heal,
+                                   acceptor=None if s.acceptor == "auto" else s.acceptor)
 
 
 def run_turn(pair: wb.ModelPair, conv: Conversation, s: Settings, race: bool = False) -> Iterator[Answer]:
@@ -278,10 +290,9 @@ def run_turn(pair: wb.ModelPair, conv: Conversation, s: Settings, race: bool = F
     """
     prompt = pair.tokenizer.format_prompt(conv.history)
     answer = Answer(prompt, s, phase="speculative" if s.use_draft else "autoregressive")
-    dec = decoder(pair, s) if s.use_draft else None
-    if dec is not None:
-        answer.rule = dec.acceptance_rule
-    for ev in step_events(pair, prompt, s, dec):
+    ticket = submit(pair, prompt, s)
+    answer.rule = ticket.rule
+    for ev in ticket.events():
         if not answer.events:
             conv.answers.append(answer)
             conv.history.append({"role": "assistant", "content": ""})
@@ -352,9 +363,7 @@ def stats_html(conv: Conversation, answer: Answer | None) -> str:
 def api_result(pair: wb.ModelPair, prompt: str, s: Settings) -> wb.GenerationResult:
     """The API endpoint's generation: the same prompt formatting and decoder as the chat."""
     text = pair.tokenizer.format_prompt([{"role": "user", "content": prompt}])
-    if not s.use_draft:
-        return _autoregressive(pair, text, s)
-    return decoder(pair, s).generate(text, s.max_new_tokens, heal=s.heal)
+    return submit(pair, text, s).result()
 
 
 # ---- the UI ----------------------------------------------------------------------------------
@@ -467,7 +476,8 @@ def build_demo(pair_args: PairSpec = PairSpec(), defaults: Settings = Settings()
         def generate(prompt: str, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                      max_new_tokens: int = 64, seed: int = 0, use_draft: bool = True,
                      heal: bool = True, acceptor: str = "auto") -> tuple[str, dict]:
-            """Continue `prompt`; returns (text, {finish_reason, num_tokens, k, acceptance_rule, stats}). k and
+            """Continue `prompt`; returns (text, {finish_reason, num_tokens, k, acceptance_rule, stats, batch_sizes:
+            the requests in each of its steps' forwards}). k and
             acceptor ("auto", "rejection", "block") are ignored without the draft. The prompt is formatted as
             in the chat (plain text when there is no chat template) and, as there, healed unless `heal` is False."""
             try:
@@ -476,7 +486,8 @@ def build_demo(pair_args: PairSpec = PairSpec(), defaults: Settings = Settings()
             except ValueError as e:
                 raise gr.Error(str(e)) from e
             return res.text, {"finish_reason": res.finish_reason, "num_tokens": len(res.tokens), "k": res.k,
-                              "acceptance_rule": res.acceptance_rule, "stats": res.stats.to_dict()}
+                              "acceptance_rule": res.acceptance_rule, "stats": res.stats.to_dict(),
+                              "batch_sizes": [e.batch_size for e in res.events[1:]]}
 
         hidden = dict(api_visibility="undocumented")  # UI events; the public API is /generate
         inputs = [ui.conv, ui.k, ui.temperature, ui.top_p, ui.max_new, ui.seed, ui.use_draft, ui.show_rejected,
@@ -503,7 +514,9 @@ LAUNCH_TRIES = 3  # Gradio probes its own URL with a 3 s timeout, which an overl
 
 def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int = 7860, share: bool = False,
            max_concurrency: int = 4, block: bool = True) -> str:
-    """Queue (each user's generation runs in its own worker thread) and serve; returns the local URL."""
+    """Queue (each user's handler in its own worker thread, its answer a row of the batched engine,
+    which takes up to `max_concurrency` rows) and serve; returns the local URL."""
+    MAX_BATCH["size"] = max_concurrency
     demo.queue(default_concurrency_limit=max_concurrency)
     for attempt in range(LAUNCH_TRIES):
         try:
@@ -526,7 +539,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=7860)
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     ap.add_argument("--share", action="store_true", help="open a public Gradio share link (off by default)")
-    ap.add_argument("--max-concurrency", type=int, default=4, help="generations running at once")
+    ap.add_argument("--max-concurrency", type=int, default=4,
+                    help="answers decoding at once: the batched engine's batch size")
     args = ap.parse_args(argv)
     if args.max_concurrency < 1:
         ap.error(f"--max-concurrency = {args.max_concurrency}; expected >= 1")
