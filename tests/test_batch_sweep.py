@@ -44,6 +44,7 @@ def test_every_batch_size_and_k_is_measured_against_its_own_baseline(sweep, pair
     assert costs(2, 1) == pytest.approx(sweep.point(2, 1).cost)
     d = sweep.to_dict()
     assert read_schedule(d["num_speculative_tokens_per_batch_size"], 2).to_list() == d["schedule_list"]
+    assert d["speculative_config"]["num_speculative_tokens_per_batch_size"] == d["num_speculative_tokens_per_batch_size"]
     assert d["gpu_model"]["summary"].startswith("Roofline MODEL") and d["crossover"] == sweep.crossover()
     assert "num_speculative_tokens_per_batch_size" in sweep.summary() and "MODEL" in sweep.summary()
 

@@ -49,6 +49,21 @@ def test_serve_command_quotes_awkward_paths():
         serve_command("v", "d", k=0)
 
 
+def test_serve_command_carries_a_batch_size_schedule_in_the_map_syntax():
+    """Either syntax in, vLLM's map out, checked against k; `workbench vllm-command --schedule`."""
+    from workbench.cli import main
+    from workbench.integrations.batch_schedule import ScheduleError
+
+    for given in ([[1, 8, 3], [9, 32, 1], [33, 4096, 0]], '{"1-8": 3, "9-32": 1, "33-4096": 0}'):
+        argv = shlex.split(serve_command("v", "d", k=3, tp=8, schedule=given))
+        spec = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert spec["num_speculative_tokens_per_batch_size"] == {"1-8": 3, "9-32": 1, "33-4096": 0}
+    with pytest.raises(ScheduleError, match="above num_speculative_tokens = 2"):
+        serve_command("v", "d", k=2, schedule={"1-8": 3})
+    assert main(["vllm-command", "--k", "3", "--schedule", '[[1, 4, 3], [5, 64, 2]]']) == 0
+    assert main(["vllm-command", "--k", "3", "--schedule", '{"1-4": 3, "3-64": 2}']) == 2  # overlapping ranges
+
+
 def test_run_offline_without_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm fails, even where it is installed
     with pytest.raises(RuntimeError, match=r"pip install 'workbench\[vllm\]' on a CUDA machine"):

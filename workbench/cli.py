@@ -321,7 +321,7 @@ def cmd_export_vllm(args) -> int:
 def cmd_vllm_command(args) -> int:
     from workbench.integrations.vllm import serve_command
 
-    print(serve_command(args.verifier_name, args.draft_name, k=args.k, tp=args.tp))
+    print(serve_command(args.verifier_name, args.draft_name, k=args.k, tp=args.tp, schedule=args.schedule))
     return 0
 
 
@@ -470,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-name", default="k-l-lambda/kimi-k2.7-code-eagle3-mla")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--schedule", default=None,
+                   help='k by batch size, vLLM\'s num_speculative_tokens_per_batch_size: {"1-16": 3, "17-64": 1} '
+                        "or [[1, 16, 3], [17, 64, 1]] (as `sweep --batch-sizes` prints it)")
     p.set_defaults(fn=cmd_vllm_command)
 
     p = sub.add_parser("bench-kernels", help="Triton MLA kernel GB/s and TFLOP/s (CUDA)")

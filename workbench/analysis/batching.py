@@ -139,12 +139,19 @@ class BatchSweepResult:
     def step_costs(self) -> StepCosts:
         return StepCosts({(p.batch_size, p.k): p.cost for p in self.points if p.k}, "this sweep")
 
+    def speculative_config(self, draft: str = "draft") -> dict:
+        """What a vLLM user pastes: k = the largest swept, k by batch size as measured here."""
+        from workbench.integrations.vllm import speculative_config
+
+        return speculative_config(draft, max(self.ks), schedule=self.schedule())
+
     def to_dict(self) -> dict:
         sched = self.schedule()
         return {"batch_sizes": self.batch_sizes, "ks": self.ks, "num_prompts": self.num_prompts,
                 "repeats": self.repeats, "max_new_tokens": self.max_new_tokens,
                 "points": [p.to_dict() for p in self.points], "best_k": self.best_k(), "crossover": self.crossover(),
                 "num_speculative_tokens_per_batch_size": sched.to_map(), "schedule_list": sched.to_list(),
+                "speculative_config": self.speculative_config(),
                 "gpu_model": self.gpu,
                 "cells": {str(b): m.cells_dict() for b, m in self.measurements.items()}}
 

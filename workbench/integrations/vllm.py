@@ -48,13 +48,21 @@ class ScrapeError(RuntimeError):
 # ---- serving ------------------------------------------------------------------------------
 
 
-def speculative_config(draft: str, k: int = 3, method: str = "eagle3") -> dict:
-    """vLLM's `speculative_config`, keys in the order the seed's command writes them."""
+def speculative_config(draft: str, k: int = 3, method: str = "eagle3", schedule=None) -> dict:
+    """vLLM's `speculative_config`, keys in the order the seed's command writes them. `schedule`: a
+    batch-size schedule (a `BatchSchedule`, or either syntax `read_schedule` reads), checked against
+    k and written as `num_speculative_tokens_per_batch_size` in the map syntax."""
     if not draft:
         raise ValueError("draft: empty; expected a draft checkpoint path or Hugging Face id")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k = {k!r}; expected num_speculative_tokens >= 1")
-    return {"model": draft, "method": method, "num_speculative_tokens": k}
+    spec = {"model": draft, "method": method, "num_speculative_tokens": k}
+    if schedule is not None:
+        from workbench.integrations.batch_schedule import FIELD, read_schedule
+
+        ranges = schedule.to_list() if hasattr(schedule, "to_list") else schedule
+        spec[FIELD] = read_schedule(ranges, k).to_map()
+    return spec
 
 
 def synthetic_acceptance_config(draft: str, k: int, rates: list[float] | None = None, length: float | None = None,
@@ -107,13 +115,15 @@ def serve_command(
     trust_remote_code: bool = True,
     port: int | None = None,
     method: str = "eagle3",
+    schedule=None,
 ) -> str:
-    """The shell line that serves verifier + draft with EAGLE-3 speculation, quoted for a shell."""
+    """The shell line that serves verifier + draft with EAGLE-3 speculation, quoted for a shell
+    (`schedule`: k by batch size, as `speculative_config` takes it)."""
     if not verifier:
         raise ValueError("verifier: empty; expected a verifier checkpoint path or Hugging Face id")
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp = {tp!r}; expected --tensor-parallel-size >= 1")
-    spec = json.dumps(speculative_config(draft, k, method), separators=(", ", ": "))
+    spec = json.dumps(speculative_config(draft, k, method, schedule), separators=(", ", ": "))
     parts = ["vllm", "serve", shlex.quote(verifier), "--tensor-parallel-size", str(tp),
              "--speculative-config", shlex.quote(spec)]
     if trust_remote_code:
