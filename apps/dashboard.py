@@ -71,6 +71,7 @@ with st.sidebar:
 
 st.navigation([
     st.Page("views/tuning.py", title="Tuning", icon=":material/tune:", default=True),
+    st.Page("views/batching.py", title="Batching", icon=":material/stacks:"),
     st.Page("views/fusion.py", title="Fusion", icon=":material/merge:"),
     st.Page("views/doctor.py", title="Doctor", icon=":material/stethoscope:"),
     st.Page("views/kv_cache.py", title="KV cache", icon=":material/memory:"),

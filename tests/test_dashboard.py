@@ -391,3 +391,76 @@ def test_browser_pd_panel(tmp_path):
             browser.close()
     assert modes == ["full", "recompute", "cold"] * 2 and shot.stat().st_size > 20_000
     shutil.copy(shot, SCREENSHOT.parent / "pd.png")
+
+
+# ---- Batching -------------------------------------------------------------------------------
+
+
+def batch_sweep_page(app) -> AppTest:
+    """The Batching page after a tiny sweep: 2 prompts, B in {1, 2}, k = 1..2, 4 tokens, 1 repeat."""
+    at = on(app, "views/batching.py")
+    assert at.title[0].value.startswith("Batching") and "Run batch sweep" in at.info[0].value and not charts(at)
+    at.slider(key="k_range").set_value((1, 2))
+    at.number_input(key="batch_n").set_value(2)
+    at.multiselect(key="batch_sizes").set_value([1, 2])
+    at.number_input(key="batch_max_new").set_value(4)
+    at.number_input(key="batch_repeats").set_value(1)
+    at.button(key="batch_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_batching_page_sweep(app):
+    from workbench.integrations.batch_schedule import read_schedule
+
+    at = batch_sweep_page(app)
+    result = at.session_state["batch_result"][1]
+    assert result.batch_sizes == [1, 2] and result.ks == [1, 2]
+    figs = charts(at)
+    assert len(figs) == 3  # measured heatmap, tokens/s over B, the model's heatmap
+    heat = json.loads(figs[0].proto.spec)["data"][0]
+    assert heat["type"] == "heatmap" and heat["text"][0][0] == "1.00x"  # k = 0 over itself
+    cross, best = result.crossover()["overall"], result.best_k()
+    labels = {m.label: m for m in at.metric}
+    assert labels["Crossover"].value == (f"B = {cross}" if cross else "none")
+    assert [labels[f"Best k at B = {b}"].value for b in (1, 2)] == [str(best[b]) for b in (1, 2)]
+    table = at.dataframe[0].value
+    assert list(zip(table["B"], table["k"])) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert list(table["identical outputs"])[:2] == ["baseline", "2/2"]
+    codes = [c.value for c in at.code]
+    assert read_schedule(codes[0], 2) == result.schedule() == read_schedule(codes[1], 2)
+    assert json.loads(codes[0]) == result.schedule().to_map()
+    assert any("model" in c.value and "not a measurement" in c.value for c in at.caption)
+    assert labels["Model's crossover"].value == "none"  # Kimi-K2 on H200 x8: pays at every feasible B
+    assert list(at.table[0].value["B"]) == list(range(1, result.gpu["max_batch"] + 1))  # every feasible B
+    assert [b.label for b in at.get("download_button")] == ["Download CSV", "Download JSON"]
+    at.button(key="batch_run").click().run()  # the same inputs: a cache hit replays the progress bar
+    assert not at.exception and len(charts(at)) == 3
+    assert json.dumps(at.session_state["batch_result"][1].to_dict()) == json.dumps(result.to_dict())  # not re-measured
+    at.multiselect(key="batch_sizes").set_value([1, 4])
+    at.button(key="batch_run").click().run()  # 2 prompts cannot fill a batch of 4: the library's message
+    assert not at.exception and "2 prompts for batch size 4" in at.error[0].value and not charts(at)
+
+
+def test_batching_page_schedule_box(app):
+    at = batch_sweep_page(app)
+    at.text_area(key="batch_schedule_in").set_value('{"1-4": 2, "3-8": 1}').run()
+    assert not at.exception and len(at.error) == 1
+    assert "'1-4'" in at.error[0].value and "'3-8'" in at.error[0].value and "overlap" in at.error[0].value
+    assert len(charts(at)) == 3  # the page stays up
+    at.text_area(key="batch_schedule_in").set_value("[[1, 1, 2], [2, 8, 0]]").run()
+    assert not at.exception and not at.error
+    yours = at.table[0].value
+    assert list(yours["B"]) == [1, 2] and list(yours["your k"]) == [2, 0]
+    at.text_area(key="batch_schedule_in").set_value('{"1-4": 3}').run()
+    assert "above num_speculative_tokens = 2" in at.error[0].value
+
+
+def test_batching_page_adaptive(app):
+    at = batch_sweep_page(app)
+    at.button(key="batch_adaptive_run").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    policies = at.dataframe[1].value
+    assert list(policies["name"]) == ["autoregressive", "k=1", "k=2", "confidence 0.5", "goodput EMA"]
+    assert list(policies["identical outputs"]) == ["2/2"] * 5
+    assert policies["minus best static [95%]"][0] == ""

@@ -191,3 +191,32 @@ def live_figs(tracker) -> list[go.Figure]:
             _layout(pos, "Per-position acceptance (per_pos / drafts)", "seconds", "rate"),
             _layout(rate, "Draft acceptance rate (accepted / drafted)", "seconds", "rate"),
             _layout(tput, "Draft tokens per second", "seconds", "tokens/s")]
+
+
+# ---- batching -------------------------------------------------------------------------------
+
+
+def speedup_heatmap(result, title: str = "Speedup over plain decoding at the same batch size") -> go.Figure:
+    """Speedup over batch size B (rows) x k (columns), each cell labelled "1.23x": from a `BatchSweepResult`
+    (its points' median speedups) or from rows of dicts with "B", "k" and "speedup" (the GPU model's table)."""
+    cells = {(p.batch_size, p.k): p.speedup.median for p in result.points} if hasattr(result, "points") \
+        else {(r["B"], r["k"]): r["speedup"] for r in result}
+    bs, ks = sorted({b for b, _ in cells}), sorted({k for _, k in cells})
+    z = [[cells.get((b, k)) for k in ks] for b in bs]
+    fig = go.Figure(go.Heatmap(z=z, x=[str(k) for k in ks], y=[str(b) for b in bs], zmid=1.0, colorscale="RdBu",
+                               text=[["" if v is None else f"{v:.2f}x" for v in row] for row in z],
+                               texttemplate="%{text}", hovertemplate="B=%{y}, k=%{x}: %{text}<extra></extra>"))
+    fig.update_xaxes(type="category")
+    fig.update_yaxes(type="category", autorange="reversed")
+    return _layout(fig, title, "k (0: plain decoding)", "batch size B")
+
+
+def batch_throughput_fig(result) -> go.Figure:
+    """Aggregate decode tokens/s against the batch size, one line per k, with 95% intervals."""
+    fig = go.Figure()
+    for k in [0, *result.ks]:
+        pts = sorted((p for p in result.points if p.k == k), key=lambda p: p.batch_size)
+        fig.add_scatter(x=[p.batch_size for p in pts], y=[p.tokens_per_s.median for p in pts], mode="lines+markers",
+                        error_y=_bars([p.tokens_per_s for p in pts]), name="autoregressive" if k == 0 else f"k={k}")
+    fig.update_xaxes(type="log", tickvals=result.batch_sizes)
+    return _layout(fig, "Aggregate decode tokens/s, 95% interval", "batch size B", "tokens/s")

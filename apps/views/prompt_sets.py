@@ -18,14 +18,14 @@ def bundled_sets() -> list[str]:
     return sorted(p.name for p in PROMPTS_DIR.glob("*.jsonl"))
 
 
-def pick_prompts(key: str, default_n: int = 2) -> list[str]:
+def pick_prompts(key: str, default_n: int = 2, default_set: str = "smoke.jsonl") -> list[str]:
     """Prompt-source widgets (keys prefixed with `key`); stops the page with a message if none are usable."""
     sets = bundled_sets()
     source = st.radio("Prompts", ["Bundled set", "Upload JSONL", "Type prompts"], horizontal=True,
                       key=f"{key}_source")
     try:
         if source == "Bundled set":
-            default = sets.index("smoke.jsonl") if "smoke.jsonl" in sets else 0
+            default = sets.index(default_set) if default_set in sets else 0
             name = st.selectbox("Prompt set (assets/prompts)", sets, index=default, key=f"{key}_set")
             prompts = parse_jsonl((PROMPTS_DIR / name).read_text(), f"assets/prompts/{name}") if name else []
         elif source == "Upload JSONL":

@@ -137,7 +137,13 @@ class BatchSweepResult:
         return schedule_from_best_k(self.best_k(), num_speculative_tokens or max(self.ks))
 
     def step_costs(self) -> StepCosts:
-        return StepCosts({(p.batch_size, p.k): p.cost for p in self.points if p.k}, "this sweep")
+        """Each measured (B, k)'s t_step / t_decode (a B whose baseline decoded nothing has none)."""
+        return StepCosts({(p.batch_size, p.k): p.cost for p in self.points if p.k and math.isfinite(p.cost)},
+                         "this sweep")
+
+    def rows(self) -> list[dict]:
+        """Flat dicts, one per (B, k), for a DataFrame or CSV."""
+        return [p.row() for p in self.points]
 
     def speculative_config(self, draft: str = "draft") -> dict:
         """What a vLLM user pastes: k = the largest swept, k by batch size as measured here."""
@@ -227,9 +233,11 @@ def run_batch_sweep(pair, prompts: Sequence[str], batch_sizes: Sequence[int] = (
         from workbench.analysis.roofline import gpu_model
 
         model = gpu_model(batch_sizes=range(1, 257), ks=range(0, max(ks) + 1))
+        shown = set(range(1, model.max_batch + 1)) | {2 ** i for i in range(9)}  # every feasible B, and beyond
         result.gpu = {"summary": model.summary(), "best_k": model.best_k, "crossover": model.crossover,
                       "crossover_per_k": model.crossover_per_k, "max_batch": model.max_batch,
-                      "table": [r for r in model.table if r["B"] in (1, 2, 4, 8, 16, 32, 64, 128, 256)]}
+                      "weight_bytes_per_gpu": model.weight_bytes_per_gpu,
+                      "table": [r for r in model.table if r["B"] in shown]}
     return result
 
 
@@ -285,6 +293,8 @@ def compare_policies(pair, prompts: Sequence[str], policies: dict[str, KPolicy],
     of `batch_size`), with the plain baseline: tokens/s, accept length, the k each really used, and
     each policy's speedup against the best static k's, paired per cell."""
     check_protocol(list(prompts), repeats)
+    if len(prompts) < batch_size:
+        raise ValueError(f"{len(prompts)} prompts for batch size {batch_size}; expected at least one full batch")
     k_max = max(static_ks)
     context = min(pair.context_length, max(len(pair.encode(p)) for p in prompts) + max_new_tokens + 1)
     groups = [tuple(prompts[j:j + batch_size]) for j in range(0, len(prompts) - batch_size + 1, batch_size)]
