@@ -455,8 +455,9 @@ def build_demo(pair_args: PairSpec = PairSpec(), defaults: Settings = Settings()
                     done = answer.phase == "done"
                     live = done or time.monotonic() >= plot_at
                     plot_at = time.monotonic() + PLOT_EVERY_S if live else plot_at
+                    shared = f" ({answer.events[-1].batch_size} in this step's batch)" if answer.events else ""
                     state = ("done", f"done · acceptance: {answer.rule}") if done else \
-                        ("running", f"running: {answer.phase}…")
+                        ("running", f"running: {answer.phase}…{shared}")
                     yield _view(c, answer, rejected, live, state)
             except (ValueError, RuntimeError) as e:  # RequestError, SamplingError, ContextLengthError, torch
                 gr.Warning(html.escape(str(e)))

@@ -185,7 +185,11 @@ def test_policies_keep_the_output_and_change_k(bf16_pair):
     want = alone(bf16_pair)
     schedule = read_schedule({"1-2": 5, "3-4": 2, "5-8": 0}, 5)
     costs = StepCosts({(1, 1): 1.2, (1, 5): 1.8, (8, 1): 1.5, (8, 5): 3.5})
-    for policy in (ConfidenceStop(0.5), GoodputEMA(costs, k_max=5), ScheduleK(schedule)):
+    for policy in (ConfidenceStop(0.5, per_row=True), ConfidenceStop(0.3), GoodputEMA(costs, k_max=5),
+                   GoodputEMA(costs, k_max=5, per_row=True), ScheduleK(schedule)):
+        chosen, choose = [], policy.choose
+        policy.choose = lambda rids, caps, b, choose=choose, chosen=chosen: chosen.append(choose(rids, caps, b)) \
+            or chosen[-1]
         dec = BatchDecoder(bf16_pair, 5, max_batch_size=4, policy=policy)
         got = batched(dec)
         assert [r.tokens for r in got] == want, policy.name
@@ -193,10 +197,11 @@ def test_policies_keep_the_output_and_change_k(bf16_pair):
         assert len(ks) > 1, policy.name
         if isinstance(policy, ScheduleK):
             assert all(max(h.ks) <= schedule.k_for(h.batch_size) for h in dec.history)
-        if isinstance(policy, ConfidenceStop):  # every verified proposal but the first was confident
-            for r in got:
-                for e in r.events[1:]:
-                    assert all(q >= 0.5 for q in e.draft_probs[1:])
+        if isinstance(policy, ConfidenceStop) and policy.per_row:  # every verified proposal but the first was sure
+            assert all(q >= 0.5 for r in got for e in r.events[1:] for q in e.draft_probs[1:])
+        if isinstance(policy, GoodputEMA):  # one k for the batch (rows pad to the longest anyway), or each its own
+            assert any(len(set(c)) > 1 for c in chosen) == policy.per_row
+    assert ConfidenceStop(0.3).trim(0, [0.9, 0.1, 0.8]) == 3 and ConfidenceStop(0.3, per_row=True).trim(0, [0.9, 0.1]) == 1
 
 
 def test_goodput_rule_picks_k_from_acceptance_and_cost():
@@ -204,21 +209,28 @@ def test_goodput_rule_picks_k_from_acceptance_and_cost():
     assert costs(1, 0) == 1.0 and costs(1, 2) == pytest.approx(1.2) and costs(1, 6) == pytest.approx(1.6)
     assert costs(4, 1) == pytest.approx(1.1 + 0.5 * 0.5)  # halfway from B=1 to 16 in log2
     p = GoodputEMA(costs, k_max=6, alpha=0.5, prior=0.9)
-    assert p.choose(0, 6, 1) >= 4  # a good draft on a cheap machine: long chains
+    assert p.choose([0], [6], 1)[0] >= 4  # a good draft on a cheap machine: long chains
     for _ in range(6):
         p.observe(0, 4, 0)  # every first proposal rejected
-    assert p.choose(0, 6, 1) == 0 and p.choose(0, 6, 16) == 0
+    assert p.choose([0], [6], 1) == [0] and p.choose([0], [6], 16) == [0]
     for _ in range(30):
-        k = p.choose(0, 6, 1)
+        k = p.choose([0], [6], 1)[0]
         if k:
             break
     assert k > 0  # with nothing observed the estimates drift back: it probes again
+    batch = GoodputEMA(costs, k_max=6, alpha=0.5, prior=0.9)
+    for _ in range(6):
+        batch.observe(1, 4, 4)  # request 1: every proposal accepted; request 2 as the prior
+    assert batch.choose([1, 2], [6, 2], 1) == [k := batch.choose([1, 2], [6, 6], 1)[0], min(k, 2)]  # one k, capped
     with pytest.raises(ValueError, match="alpha"):
         GoodputEMA(costs, alpha=0.0)
     with pytest.raises(ValueError, match="threshold"):
         ConfidenceStop(1.5)
     with pytest.raises(ValueError, match=r"point \(0, 1\)"):
         StepCosts({(0, 1): 1.0})
+    noisy = StepCosts.lines({(1, 1): 1.5, (1, 2): 1.71, (1, 3): 1.67, (1, 4): 1.81, (8, 1): 1.4, (8, 2): 1.6})
+    assert noisy(1, 3) > noisy(1, 2) and noisy(1, 6) == pytest.approx(noisy(1, 4) + 2 * (noisy(1, 4) - noisy(1, 3)))
+    assert noisy(8, 2) == pytest.approx(1.6) and noisy(8, 0) == 1.0  # two points: the line through them
 
 
 # ---- sampling -------------------------------------------------------------------------------------

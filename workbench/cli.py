@@ -228,12 +228,12 @@ def cmd_adaptive(args) -> int:
     pair = _load(args)
     calibration = read_prompts(args.cost_prompts)
     calibration = (calibration * args.batch_size)[:max(args.batch_size, len(calibration))]  # a full batch at least
-    costs = run_batch_sweep(pair, calibration, [args.batch_size], ks, args.max_new_tokens, repeats=1,
+    costs = run_batch_sweep(pair, calibration, [args.batch_size], ks, args.max_new_tokens, repeats=2,
                             gpu=False).step_costs()
     policies = default_policies(costs, max(ks))
     if args.confidence is not None:
-        policies = {f"confidence {args.confidence:g}": ConfidenceStop(args.confidence), "goodput EMA":
-                    policies["goodput EMA"]}
+        policies = {**{f"confidence {t:g}": ConfidenceStop(t) for t in _numbers("--confidence", args.confidence, float)},
+                    "goodput EMA": policies["goodput EMA"]}
     out = compare_policies(pair, read_prompts(args.prompts, args.limit), policies, ks, args.batch_size,
                            args.max_new_tokens, args.repeats)
     rows = {n: {"tokens_per_s": r.tokens_per_s.to_dict(), "speedup": r.speedup.to_dict(),
@@ -417,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts on which the goodput rule's step costs are measured first")
     p.add_argument("--ks", default="1,2,3,4,5,6", help="the static ks; the adaptive rules draft up to the largest")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--confidence", type=float, default=None, help="the confidence rule's threshold (default 0.5)")
+    p.add_argument("--confidence", default=None,
+                   help="the confidence rule's thresholds, comma-separated (default 0.5)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", action="store_true")

@@ -137,9 +137,10 @@ class BatchSweepResult:
         return schedule_from_best_k(self.best_k(), num_speculative_tokens or max(self.ks))
 
     def step_costs(self) -> StepCosts:
-        """Each measured (B, k)'s t_step / t_decode (a B whose baseline decoded nothing has none)."""
-        return StepCosts({(p.batch_size, p.k): p.cost for p in self.points if p.k and math.isfinite(p.cost)},
-                         "this sweep")
+        """Each measured (B, k)'s t_step / t_decode, a line in k per B (`StepCosts.lines`; a B whose
+        baseline decoded nothing has none)."""
+        return StepCosts.lines({(p.batch_size, p.k): p.cost for p in self.points if p.k and math.isfinite(p.cost)},
+                               "this sweep, a line in k per B")
 
     def rows(self) -> list[dict]:
         """Flat dicts, one per (B, k), for a DataFrame or CSV."""

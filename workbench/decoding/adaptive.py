@@ -1,20 +1,25 @@
 """How many tokens each request drafts this step: k policies for the batched engine.
 
-A policy answers three questions for a request (by its id) in every step of `BatchDecoder`:
+A policy answers three questions in every step of `BatchDecoder`:
 
-    choose(rid, k, batch_size)  the most proposals to draft now (<= k, the request's own cap)
-    trim(rid, probs)            of those drafted, how many to verify (the draft's probability of each)
-    observe(rid, proposed, accepted)   what the verifier kept
+    choose(rids, caps, batch_size)   the most proposals each row drafts now (<= its request's k, its cap)
+    trim(rid, probs)                 of those drafted, how many the row verifies (the draft's probability of each)
+    observe(rid, proposed, accepted) what the verifier kept
+
+The rows of a step share one padded forward: a step costs what its longest row costs, so a row
+that drafts or verifies fewer tokens than the others saves nothing and can only lose accepted
+tokens. The adaptive rules therefore decide for the batch as a whole by default (`per_row=False`);
+with one row (or `per_row=True`) they decide per request.
 
 - `StaticK`: always the request's k (vLLM's `num_speculative_tokens`).
 - `ScheduleK`: k from the batch size (vLLM's `num_speculative_tokens_per_batch_size`).
-- `ConfidenceStop`: verify the proposals up to the first whose draft probability is below a
-  threshold (SGLang's and vLLM's "stop drafting when the draft is unsure"); the draft's chain
-  itself ends once every row of the batch has drafted such a token (`stop_below`).
+- `ConfidenceStop`: stop drafting when the draft is unsure (SGLang's and vLLM's rule): the chain
+  ends once every row has drafted a token whose probability is below the threshold
+  (`stop_below`); per row, each also verifies only the proposals before its own first such token.
 - `GoodputEMA`: per request, an exponential average of the acceptance at each draft position; k
-  maximises the expected tokens per unit of step cost, E(k) / cost(B, k), with the step's cost
-  measured on this machine (`StepCosts`), relative to a plain decode at the same batch size
-  (vLLM #47111's per-position EMA goodput rule).
+  maximises the expected tokens per unit of step cost, sum over rows of E_r(k) / cost(B, k), with
+  the step's cost measured on this machine (`StepCosts`) relative to a plain decode at the same
+  batch size (vLLM #47111's per-position EMA goodput rule).
 - `Compose(a, b, ...)`: the smallest k any of them allows.
 
 Every policy works with any draft: it sees only ids, counts and the draft's probabilities.
@@ -32,7 +37,7 @@ class KPolicy(Protocol):
     name: str
     stop_below: float | None  # the draft's chain may end once every row drafted a token below this
 
-    def choose(self, rid: int, k: int, batch_size: int) -> int: ...
+    def choose(self, rids: Sequence[int], caps: Sequence[int], batch_size: int) -> list[int]: ...
 
     def trim(self, rid: int, probs: Sequence[float]) -> int: ...
 
@@ -47,8 +52,8 @@ class StaticK:
     name = "static"
     stop_below = None
 
-    def choose(self, rid: int, k: int, batch_size: int) -> int:
-        return k
+    def choose(self, rids: Sequence[int], caps: Sequence[int], batch_size: int) -> list[int]:
+        return list(caps)
 
     def trim(self, rid: int, probs: Sequence[float]) -> int:
         return len(probs)
@@ -68,24 +73,27 @@ class ScheduleK(StaticK):
         self.schedule = schedule
         self.name = f"schedule {schedule.to_map()}"
 
-    def choose(self, rid: int, k: int, batch_size: int) -> int:
-        return min(k, self.schedule.k_for(batch_size))
+    def choose(self, rids: Sequence[int], caps: Sequence[int], batch_size: int) -> list[int]:
+        return [min(k, self.schedule.k_for(batch_size)) for k in caps]
 
 
 class ConfidenceStop(StaticK):
-    """Verify the proposals before the first whose draft probability is below `threshold` (at
-    least `min_k`, so a request never stops drafting for good)."""
+    """Stop drafting when the draft is unsure: the chain ends once every row drafted a token whose
+    probability is below `threshold`. `per_row`: each row also verifies only the proposals before
+    its own first such token (at least `min_k`, so a request never stops drafting for good)."""
 
-    def __init__(self, threshold: float = 0.5, min_k: int = 1) -> None:
+    def __init__(self, threshold: float = 0.5, min_k: int = 1, per_row: bool = False) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
             raise ValueError(f"ConfidenceStop: threshold = {threshold!r}; expected a probability in (0, 1)")
         if isinstance(min_k, bool) or not isinstance(min_k, int) or min_k < 0:
             raise ValueError(f"ConfidenceStop: min_k = {min_k!r}; expected an integer >= 0")
-        self.threshold, self.min_k = float(threshold), min_k
+        self.threshold, self.min_k, self.per_row = float(threshold), min_k, per_row
         self.stop_below = self.threshold
-        self.name = f"confidence >= {threshold:g}"
+        self.name = f"confidence >= {threshold:g}" + (" (per row)" if per_row else "")
 
     def trim(self, rid: int, probs: Sequence[float]) -> int:
+        if not self.per_row:  # the chain's length is the batch's; padding makes a shorter row save nothing
+            return len(probs)
         sure = next((i for i, p in enumerate(probs) if p < self.threshold), len(probs))
         return min(len(probs), max(self.min_k, sure))
 
@@ -125,6 +133,24 @@ class StepCosts:
                 return ks[hi]
         return ks[lo] + (ks[hi] - ks[lo]) * (k - lo) / (hi - lo)
 
+    @classmethod
+    def lines(cls, points: Mapping[tuple[int, int], float], source: str = "measured, a line in k per B") -> "StepCosts":
+        """The measured costs smoothed to a least-squares line in k at each batch size (a step costs
+        a verify that grows with k + 1 tokens and k draft forwards: `costmodel` fits the same), so the
+        noise of one short measurement does not make k + 1 look cheaper than k."""
+        by_b: dict[int, list[tuple[int, float]]] = {}
+        for (b, k), c in points.items():
+            if k > 0:
+                by_b.setdefault(b, []).append((k, c))
+        fitted = {}
+        for b, pts in by_b.items():
+            n = len(pts)
+            mk, mc = sum(k for k, _ in pts) / n, sum(c for _, c in pts) / n
+            sxx = sum((k - mk) ** 2 for k, _ in pts)
+            slope = sum((k - mk) * (c - mc) for k, c in pts) / sxx if sxx else 0.0
+            fitted.update({(b, k): mc + slope * (k - mk) for k, _ in pts})
+        return cls(fitted, source)
+
     def __call__(self, batch_size: int, k: int) -> float:
         bs = list(self._by_b)
         if batch_size <= bs[0] or batch_size >= bs[-1]:
@@ -148,26 +174,36 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
 
 
 class GoodputEMA(StaticK):
-    """k = argmax E(k) / cost(B, k) per request, E from an exponential moving average of its
-    conditional acceptance at each draft position (`alpha` the weight of the newest step).
+    """k = argmax over k of sum_r E_r(k) / cost(B, k), E_r from an exponential moving average of
+    request r's conditional acceptance at each draft position (`alpha` the newest step's weight):
+    one k for the batch (each row capped by its request's k), or with `per_row` each row's own.
 
     A position the verifier never saw keeps its estimate; when k = 0 is chosen nothing is observed,
     so every estimate drifts back toward `prior` by `alpha` a step and the request probes again."""
 
-    def __init__(self, costs, k_max: int = 8, alpha: float = 0.25, prior: float = 0.7) -> None:
+    def __init__(self, costs, k_max: int = 8, alpha: float = 0.25, prior: float = 0.7, per_row: bool = False) -> None:
         for name, value in (("alpha", alpha), ("prior", prior)):
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"GoodputEMA: {name} = {value!r}; expected a number in (0, 1]")
         self.costs, self.k_max, self.alpha, self.prior = costs, k_max, float(alpha), float(prior)
+        self.per_row = per_row
         self.rates: dict[int, list[float]] = {}
-        self.name = f"goodput EMA (alpha {alpha:g}, costs {getattr(costs, 'source', 'given')})"
+        self.name = (f"goodput EMA (alpha {alpha:g}, costs {getattr(costs, 'source', 'given')}"
+                     + (", per row)" if per_row else ")"))
 
-    def choose(self, rid: int, k: int, batch_size: int) -> int:
-        rates = self.rates.setdefault(rid, [self.prior] * self.k_max)
-        best = max(range(min(k, self.k_max) + 1), key=lambda j: (expected_tokens(rates, j) / self.costs(batch_size, j), -j))
-        if best == 0:  # nothing will be observed: forget a little, so that a later step tries again
-            rates[:] = [(1 - self.alpha) * r + self.alpha * self.prior for r in rates]
-        return best
+    def choose(self, rids: Sequence[int], caps: Sequence[int], batch_size: int) -> list[int]:
+        rates = [self.rates.setdefault(rid, [self.prior] * self.k_max) for rid in rids]
+        groups = [[i] for i in range(len(rids))] if self.per_row else [list(range(len(rids)))]
+        out = [0] * len(rids)
+        for rows in groups:
+            top = min(max(caps[i] for i in rows), self.k_max)
+            best = max(range(top + 1), key=lambda j: (sum(expected_tokens(rates[i], min(j, caps[i])) for i in rows)
+                                                      / self.costs(batch_size, j), -j))
+            for i in rows:
+                out[i] = min(best, caps[i])
+                if out[i] == 0:  # nothing will be observed: forget a little, so that a later step tries again
+                    rates[i][:] = [(1 - self.alpha) * r + self.alpha * self.prior for r in rates[i]]
+        return out
 
     def observe(self, rid: int, proposed: int, accepted: int) -> None:
         rates = self.rates.setdefault(rid, [self.prior] * self.k_max)
@@ -189,8 +225,8 @@ class Compose:
         self.stop_below = max(stops) if stops else None
         self.name = " + ".join(p.name for p in policies)
 
-    def choose(self, rid: int, k: int, batch_size: int) -> int:
-        return min(p.choose(rid, k, batch_size) for p in self.policies)
+    def choose(self, rids: Sequence[int], caps: Sequence[int], batch_size: int) -> list[int]:
+        return [min(ks) for ks in zip(*(p.choose(rids, caps, batch_size) for p in self.policies))]
 
     def trim(self, rid: int, probs: Sequence[float]) -> int:
         return min(p.trim(rid, probs) for p in self.policies)

@@ -277,7 +277,9 @@ class BatchDecoder:
         rows, B = self.rows, len(self.rows)
         vcache = self.vcache.view(0, B)
         lengths = vcache.lengths
-        ks = [self._k_now(r, n, B) for r, n in zip(rows, lengths)]
+        ks = self.policy.choose([r.rid for r in rows], [r.k for r in rows], B) if self.k_max else [0] * B
+        # within each row's context and token budget (0: a plain decode, as batch-1 decoding's last steps)
+        ks = [max(0, min(k, r.req.max_len - n - 1, r.emitter.room())) for k, r, n in zip(ks, rows, lengths)]
         t = time.perf_counter()
         props = (self.drafter.propose(rows, ks, self.policy.stop_below) if self.drafter and any(ks)
                  else [Proposal([], None, []) for _ in rows])
@@ -307,13 +309,6 @@ class BatchDecoder:
             if rows[i].emitter.finish is not None:
                 self._leave(i)
         return out
-
-    def _k_now(self, row: _Row, cached: int, batch_size: int) -> int:
-        """The row's k this step: its policy's choice, within its context and its token budget (0: a plain decode)."""
-        if not self.k_max:
-            return 0
-        k = self.policy.choose(row.rid, row.k, batch_size)
-        return max(0, min(k, row.req.max_len - cached - 1, row.emitter.room()))
 
     def _accept(self, rows: list[_Row], props: list[Proposal], logits: torch.Tensor) -> list[Verdict | None]:
         """Each row's verdict over its own k + 1 positions; a row whose logits or settings fail ends alone (None)."""
