@@ -165,6 +165,9 @@ def test_bad_input_is_refused_with_the_field_named(bf16_pair):
     while not dec.idle:
         dec.step()
     assert dec.result(rid).tokens == wb.generate_autoregressive(bf16_pair, PROMPTS[0], 5).tokens
+    many = dec.generate_many([PROMPTS[1], too_long, PROMPTS[2]], max_new_tokens=5)  # the long one fails alone
+    assert [r.finish_reason for r in many] == ["length", "error", "length"] and "context is 64" in many[1].error
+    assert [many[0].tokens, many[2].tokens] == alone(bf16_pair, [PROMPTS[1], PROMPTS[2]], [5, 5])
 
 
 def test_cache_bytes_are_the_hand_figure(bf16_pair):

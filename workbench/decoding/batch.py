@@ -253,11 +253,18 @@ class BatchDecoder:
 
     def generate_many(self, prompts: list, **settings) -> list[GenerationResult]:
         """Every prompt through the batch (at most max_batch_size at once, the rest joining as rows
-        finish); results in the prompts' order. `settings` as `submit` takes them, the same for all."""
-        ids = [self.submit(p, **settings) for p in prompts]
+        finish); results in the prompts' order. `settings` as `submit` takes them, the same for all.
+        A prompt `submit` refuses (too long for the context, say) gets a result of its own with
+        finish_reason "error" and the reason; the others decode as usual."""
+        ids: list[int | GenerationResult] = []
+        for p in prompts:
+            try:
+                ids.append(self.submit(p, **settings))
+            except RequestError as e:
+                ids.append(GenerationResult([], "", [], _empty_stats(), [], "error", error=str(e)))
         while not self.idle:
             self.step()
-        return [self.result(i) for i in ids]
+        return [i if isinstance(i, GenerationResult) else self.result(i) for i in ids]
 
     def stream(self) -> Iterator[tuple[int, StepEvent]]:
         """(request id, event) as the steps make them, until every request submitted so far has ended."""
