@@ -13,6 +13,8 @@ in the same seconds), and `min`/`max` are over the repeats' pooled figures.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import math
 import random
 import time
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from workbench.decoding.events import GenerationResult
 
 Progress = Callable[[int, int, str], None]
+atexit.register(gc.unfreeze)  # what `measure` froze is collected at exit (native extensions check for leaks)
 BOOTSTRAP = 1000  # resamples: the 2.5/97.5% quantiles settle to ~1% of the interval's width
 CONFIDENCE = 0.95
 
@@ -226,6 +229,10 @@ def measure(arms: Sequence[Arm], prompts: Sequence, repeats: int = 1, warmup: bo
         for a in order:
             if progress is not None:
                 progress(done, n, f"repeat {r + 1}/{repeats}, prompt {p + 1}/{len(prompts)}: {a.name}")
+            # What earlier runs left alive (their results, kept here) is not walked again by a full
+            # collection during this run: one over a sweep's events stalled a run 5x (2026-12-05).
+            # Frozen objects are still freed by reference counting; compiled pairs freeze the same way.
+            gc.freeze()
             res = a.run(prompts[p])
             m.results[a.name][r][p], m.timings[a.name][r][p] = res, clocks[a.name](res)
             done += 1
