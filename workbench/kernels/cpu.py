@@ -142,6 +142,11 @@ def serves(x: Tensor, rows: int | None = None) -> bool:
     return (_lib() if lib is False else lib) is not None
 
 
+def _ints(values: Sequence[int]):
+    """A C int array (a call's per-sequence counts or lengths; cheaper than a tensor for a few values)."""
+    return (ctypes.c_int * len(values))(*values)
+
+
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"workbench/kernels/cpu_kernels.cpp: {what} returned {rc}")
@@ -333,9 +338,8 @@ class MlaBlock:
                              f"rows contiguous and room for its new tokens (starts {starts}, counts {counts}, S {S})")
         x, c, s = x.contiguous(), cos2.contiguous(), sin2.contiguous()
         out = torch.empty(T, self.plan.hidden, dtype=x.dtype)
-        ints = torch.tensor(counts + starts, dtype=torch.int32)
-        _check(_state["lib"].wb_mla_block_batch(ctypes.byref(self.plan), x.data_ptr(), B, ints.data_ptr(),
-                                                rows3.data_ptr(), rows3.stride(0), ints[B:].data_ptr(), c.data_ptr(),
+        _check(_state["lib"].wb_mla_block_batch(ctypes.byref(self.plan), x.data_ptr(), B, _ints(counts),
+                                                rows3.data_ptr(), rows3.stride(0), _ints(starts), c.data_ptr(),
                                                 s.data_ptr(), out.data_ptr()), "wb_mla_block_batch")
         return out
 
@@ -421,12 +425,11 @@ class EagleChain:
                              f"({S} rows) or the RoPE table ({self.limit}), or the state is not {self.dtype}")
         ids, state = ids.to(torch.int64).contiguous(), state.contiguous()
         tokens, probs = torch.empty(B, k, dtype=torch.int64), torch.empty(B, k)
-        ints = torch.tensor(counts + starts + [k], dtype=torch.int32)  # the last: the proposals made
-        _check(_state["lib"].wb_eagle_chain_batch(ctypes.byref(self.plan), ids.data_ptr(), B, ints.data_ptr(),
+        made = ctypes.c_int(k)  # the proposals made: k, or fewer once every row is unsure
+        _check(_state["lib"].wb_eagle_chain_batch(ctypes.byref(self.plan), ids.data_ptr(), B, _ints(counts),
                                                   state.data_ptr(), rows3.data_ptr(), rows3.stride(0),
-                                                  ints[B:].data_ptr(), k, float(stop_below or 0.0),
-                                                  ints[2 * B:].data_ptr(), tokens.data_ptr(), probs.data_ptr()),
-               "wb_eagle_chain_batch")
-        made = int(ints[2 * B])
-        tokens, probs = tokens[:, :made], probs[:, :made]
+                                                  _ints(starts), k, float(stop_below or 0.0), ctypes.byref(made),
+                                                  tokens.data_ptr(), probs.data_ptr()), "wb_eagle_chain_batch")
+        if made.value < k:
+            tokens, probs = tokens[:, :made.value], probs[:, :made.value]
         return (tokens, probs) if rows.dim() == 3 else (tokens[0], probs[0])

@@ -145,6 +145,9 @@ class KernelMLAttention(MLAttention):
             self.sources.check()
             cache.check_room(x.shape[1])  # the new rows go straight into the cache
             B, T = x.shape[:2]
+            if B == 1:  # one sequence: the plain call (a decode or a verify of batch-1 decoding)
+                cos2, sin2 = self.tables.at(positions[0], x.dtype, cache.max_len)
+                return self.block(x[0], cache.layer(layer)[0], cache.length, cos2, sin2)[None]
             cos2, sin2 = self.tables.at(positions.expand(B, T).reshape(-1), x.dtype, cache.max_len)
             out = self.block(x.reshape(B * T, -1), cache.layer(layer), cache.lengths, cos2, sin2, [T] * B)
             return out.view(B, T, -1)
@@ -277,13 +280,16 @@ class KernelEagle3Draft(Eagle3Draft):
         if chain is None or h.dtype != chain.dtype or not cpu.serves(h, rows=input_ids.shape[1]):
             return super().greedy_chain(input_ids, hidden, cache, k, last, counts, stop_below)
         B, T = input_ids.shape
-        counts = [T] * B if counts is None else counts
         starts = cache.lengths
         cache.check_room(T + k - 1)
         if isinstance(hidden, (tuple, list)):
             hidden = self.combine_hidden_states(hidden)
-        real = torch.arange(T) < torch.tensor(counts)[:, None]  # [B, T]: each sequence's own positions, no padding
-        tokens, probs = chain(input_ids[real], hidden[real], cache.layer(0), starts, k, counts, stop_below)
+        if counts is None:  # no padding: every position is real
+            counts, ids, hidden = [T] * B, input_ids.reshape(-1), hidden.reshape(B * T, -1)
+        else:
+            real = torch.arange(T) < torch.tensor(counts)[:, None]  # [B, T]: each sequence's own positions
+            ids, hidden = input_ids[real], hidden[real]
+        tokens, probs = chain(ids, hidden, cache.layer(0), starts, k, counts, stop_below)
         cache.set_lengths([s + n + tokens.shape[1] - 1 for s, n in zip(starts, counts)])
         return tokens.to(input_ids.device), probs
 
