@@ -246,7 +246,7 @@ def test_api_matches_the_library(app_url, pair):
         client.predict(PROMPT, 9, 0.0, 1.0, NEW, 0, True, api_name="/generate")
 
 
-LONG = 300  # tokens per answer in the concurrency test: long enough that four requests overlap in the batch
+OVERLAP = 300  # tokens per answer in the concurrency test: long enough that four requests overlap in the batch
 
 
 def test_four_users_at_once_each_get_their_own_answer(app_url, pair):
@@ -261,7 +261,7 @@ def test_four_users_at_once_each_get_their_own_answer(app_url, pair):
     def user(k: int) -> None:
         try:
             start.wait(timeout=60)
-            results[k] = clients[k].predict(prompts[k], k, 0.0, 1.0, LONG, 0, True, api_name="/generate")
+            results[k] = clients[k].predict(prompts[k], k, 0.0, 1.0, OVERLAP, 0, True, api_name="/generate")
         except BaseException as e:  # surfaced below; a thread's exception would be lost otherwise
             errors.append(e)
 
@@ -272,7 +272,7 @@ def test_four_users_at_once_each_get_their_own_answer(app_url, pair):
         t.join(timeout=600)
     assert not errors and sorted(results) == [1, 2, 3, 4]
     for k, (text, info) in results.items():
-        ref = wb.SpecDecoder(pair, k).generate(prompts[k], LONG, heal=True)
+        ref = wb.SpecDecoder(pair, k).generate(prompts[k], OVERLAP, heal=True)
         assert text == ref.text and info["k"] == k
         assert info["stats"]["num_draft_tokens"] == ref.stats.num_draft_tokens  # this user's k, not another's
     assert results[1][0] == results[4][0]  # greedy is lossless: the same prompt, the same text at any k
@@ -302,9 +302,9 @@ def _answer(page, prompt: str, answers_before: int) -> None:
                                      .dataset.state === 'done'""")
 
 
-def _stream_then_stop(page) -> None:
+def _stream_then_stop(page, server) -> None:
     """Tokens arrive step by step (two span counts seen while the run is going), and Stop cancels
-    the run: the state says so and no more tokens arrive."""
+    the run: the state says so, no more tokens arrive, and the engine's row is freed."""
     _set_max_new(page, LONG)  # long enough that the answer cannot finish before Stop lands
     _send(page, STOP_PROMPT)
     page.wait_for_selector('#run-state[data-state="running"]')
@@ -319,6 +319,7 @@ def _stream_then_stop(page) -> None:
     n = page.locator("#tokens span[data-status]").count()
     time.sleep(2.0)  # a run that kept going would have added steps by now
     assert page.locator("#tokens span[data-status]").count() == n < LONG
+    assert server.live == 0  # the request left the batch: its slot is free for the next user
     assert page.locator("#run-state").get_attribute("data-state") == "stopped"
     _set_max_new(page, NEW)
 
@@ -352,7 +353,7 @@ def test_browser_streams_colours_and_matches_generate(app_url, pair):
         page.set_default_timeout(120_000)  # a loaded shared CPU can take a while to start Gradio's frontend
         page.goto(app_url)
         page.wait_for_selector("#prompt textarea")
-        _stream_then_stop(page)
+        _stream_then_stop(page, chat.server_for(pair))
         _error_is_shown(page)
         statuses: set[str] = set()
         for i, prompt in enumerate(prompts):

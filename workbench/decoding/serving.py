@@ -77,6 +77,12 @@ class BatchServer:
         with self._lock:
             return [s.batch_size for s in self.engine.history]
 
+    @property
+    def live(self) -> int:
+        """Requests queued or decoding now."""
+        with self._lock:
+            return len(self.engine.rows) + len(self.engine.queue)
+
     def submit(self, prompt, **settings) -> Ticket:
         """Queue a request (settings as `BatchDecoder.submit`); bad settings raise here."""
         with self._lock:

@@ -95,11 +95,9 @@ def _load():
     lib.wb_moe_route.argtypes = [p, p, p, p, i, i, i, i, i, i, i, i, f, i, i]
     lib.wb_swiglu.argtypes = [p, p, p, i, i, i, i]
     lib.wb_row_stats.argtypes = [p, lng, i, i, p, p, p, i, i]
-    lib.wb_mla_block.argtypes = [p, p, i, p, i, p, p, p]
-    lib.wb_mla_block_batch.argtypes = [p, p, i, p, p, lng, p, p, p, p]
+    lib.wb_mla_block.argtypes = [p, p, i, p, p, lng, p, p, p, p]
     lib.wb_ffn_block.argtypes = [p, p, i, p]
-    lib.wb_eagle_chain.argtypes = [p, p, i, p, p, i, i, p, p]
-    lib.wb_eagle_chain_batch.argtypes = [p, p, i, p, p, p, lng, p, i, f, p, p, p]
+    lib.wb_eagle_chain.argtypes = [p, p, i, p, p, p, lng, p, i, f, p, p, p]
     return lib, f"{path} ({_ISA_NAMES.get(isa, f'wb_isa() {isa}')})"
 
 
@@ -338,9 +336,9 @@ class MlaBlock:
                              f"rows contiguous and room for its new tokens (starts {starts}, counts {counts}, S {S})")
         x, c, s = x.contiguous(), cos2.contiguous(), sin2.contiguous()
         out = torch.empty(T, self.plan.hidden, dtype=x.dtype)
-        _check(_state["lib"].wb_mla_block_batch(ctypes.byref(self.plan), x.data_ptr(), B, _ints(counts),
-                                                rows3.data_ptr(), rows3.stride(0), _ints(starts), c.data_ptr(),
-                                                s.data_ptr(), out.data_ptr()), "wb_mla_block_batch")
+        _check(_state["lib"].wb_mla_block(ctypes.byref(self.plan), x.data_ptr(), B, _ints(counts), rows3.data_ptr(),
+                                          rows3.stride(0), _ints(starts), c.data_ptr(), s.data_ptr(), out.data_ptr()),
+               "wb_mla_block")
         return out
 
 
@@ -426,10 +424,10 @@ class EagleChain:
         ids, state = ids.to(torch.int64).contiguous(), state.contiguous()
         tokens, probs = torch.empty(B, k, dtype=torch.int64), torch.empty(B, k)
         made = ctypes.c_int(k)  # the proposals made: k, or fewer once every row is unsure
-        _check(_state["lib"].wb_eagle_chain_batch(ctypes.byref(self.plan), ids.data_ptr(), B, _ints(counts),
-                                                  state.data_ptr(), rows3.data_ptr(), rows3.stride(0),
-                                                  _ints(starts), k, float(stop_below or 0.0), ctypes.byref(made),
-                                                  tokens.data_ptr(), probs.data_ptr()), "wb_eagle_chain_batch")
+        _check(_state["lib"].wb_eagle_chain(ctypes.byref(self.plan), ids.data_ptr(), B, _ints(counts),
+                                            state.data_ptr(), rows3.data_ptr(), rows3.stride(0), _ints(starts), k,
+                                            float(stop_below or 0.0), ctypes.byref(made), tokens.data_ptr(),
+                                            probs.data_ptr()), "wb_eagle_chain")
         if made.value < k:
             tokens, probs = tokens[:, :made.value], probs[:, :made.value]
         return (tokens, probs) if rows.dim() == 3 else (tokens[0], probs[0])

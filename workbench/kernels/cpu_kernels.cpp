@@ -11,11 +11,11 @@
 //   wb_moe_route  DeepSeek-V3 routing (sigmoid, bias, group-limited top-k) to dense weights
 //   wb_swiglu     silu(gate) * up, times a routing weight per group
 //   wb_row_stats  each logit row's max, first argmax and log-sum-exp (greedy steps, probabilities)
-//   wb_mla_block  a whole absorbed-MLA attention (projections, norms, RoPE, cache write, attention),
-//                 of one sequence or a batch (wb_mla_block_batch)
+//   wb_mla_block  a whole absorbed-MLA attention (projections, norms, RoPE, cache writes, attention)
+//                 over a batch of sequences, each with its own new tokens and length
 //   wb_ffn_block  a whole SwiGLU MLP or dense-expert MoE (routing, experts, shared experts)
-//   wb_eagle_chain  an EAGLE-3 draft's greedy chain: the first pass, k-1 more, each head's argmax,
-//                 of one sequence or a batch (wb_eagle_chain_batch)
+//   wb_eagle_chain  an EAGLE-3 draft's greedy chain for a batch of sequences: the first pass, k-1
+//                 more, each head's argmax
 // The two blocks only sequence the kernels above over scratch buffers, so that a layer is two
 // calls from Python instead of a dozen (at this size the calls, not the arithmetic, are the cost).
 //
@@ -700,7 +700,7 @@ char* scratch(size_t bytes) {
 // 0..starts[b]-1 held); each sequence's new rows are written at starts[b].. first. cos2, sin2
 // [total, R], one row per token. The projections run over every token at once (the weights are
 // read once for the batch); the cache writes and the attention run per sequence.
-int wb_mla_block_batch(const MlaPlan* p, const void* x, int B, const int* counts, void* rows, long seq_stride,
+int wb_mla_block(const MlaPlan* p, const void* x, int B, const int* counts, void* rows, long seq_stride,
                        const int* starts, const void* cos2, const void* sin2, void* out) {
 #if WB_SIMD
     const size_t es = p->dtype ? 2 : 4;
@@ -747,12 +747,6 @@ int wb_mla_block_batch(const MlaPlan* p, const void* x, int B, const int* counts
 #else
     return -1;
 #endif
-}
-
-// One sequence (wb_mla_block_batch with B = 1): T new tokens at start of rows [S, L+R].
-int wb_mla_block(const MlaPlan* p, const void* x, int T, void* rows, int start, const void* cos2, const void* sin2,
-                 void* out) {
-    return wb_mla_block_batch(p, x, 1, &T, rows, 0, &start, cos2, sin2, out);
 }
 
 // out [T, hidden] = down(silu(gate) * up, weighted per group by the routing when a router is given)
@@ -838,7 +832,7 @@ void add_into(void* a, const void* b, size_t n, int dtype) {
 // sequence's tokens in one batch (the first ragged, then one token each). With stop_below > 0 the
 // chain ends early once every sequence has proposed a token below that probability (an adaptive
 // policy verifies none after it); *steps_out is the number of proposals made per sequence.
-int wb_eagle_chain_batch(const EaglePlan* p, const int64_t* ids, int B, const int* counts, const void* state_in,
+int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* counts, const void* state_in,
                          void* rows, long seq_stride, const int* starts, int k, float stop_below, int* steps_out,
                          int64_t* tokens_out, float* probs_out) {
 #if WB_SIMD
@@ -879,7 +873,7 @@ int wb_eagle_chain_batch(const EaglePlan* p, const int64_t* ids, int B, const in
             for (int t = 0; t < T; ++t) std::memcpy(r + t * row, x + row + t * 2 * row, row);
         else
             std::memcpy(r, h, size_t(T) * row);
-        rc |= wb_mla_block_batch(p->attn, x, B, cnt.data(), rows, seq_stride, pos.data(), cos, sin, a);
+        rc |= wb_mla_block(p->attn, x, B, cnt.data(), rows, seq_stride, pos.data(), cos, sin, a);
         add_into(r, a, size_t(T) * H, dt);
         rc |= wb_rms_norm(r, H, p->post_norm, yin, H, T, H, p->post_eps, dt);
         rc |= wb_ffn_block(p->mlp, yin, T, pre);
@@ -912,13 +906,6 @@ int wb_eagle_chain_batch(const EaglePlan* p, const int64_t* ids, int B, const in
 #else
     return -1;
 #endif
-}
-
-// One sequence (wb_eagle_chain_batch with B = 1).
-int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int T, const void* state_in, void* rows, int start, int k,
-                   int64_t* tokens_out, float* probs_out) {
-    int steps;
-    return wb_eagle_chain_batch(p, ids, 1, &T, state_in, rows, 0, &start, k, 0.0f, &steps, tokens_out, probs_out);
 }
 
 }  // extern "C"
