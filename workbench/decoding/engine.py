@@ -1,4 +1,5 @@
-"""The speculative decoding loop (vLLM's chain EAGLE-3, batch size 1) and its fair baseline.
+"""The speculative decoding loop (vLLM's chain EAGLE-3, one request; many at once:
+`workbench.decoding.batch`) and its fair baseline.
 
 `SpecDecoder.stream` prefills, then calls one `Step` (`workbench.decoding.step`, eagle3_mla.md
 §5) until the request ends, turning each outcome into a `StepEvent`. `generate_autoregressive`
