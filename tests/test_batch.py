@@ -149,6 +149,28 @@ def test_a_failing_row_fails_alone(bf16_pair, monkeypatch):
     assert [res[i].tokens for i in others] == alone(bf16_pair, [PROMPTS[i] for i in others], [30] * 3)
 
 
+def test_a_row_whose_logits_break_fails_alone(bf16_pair, monkeypatch):
+    """NaN logits in one row of a step (here put there by a wrapped verifier) end that row with the
+    reason; the rows beside it in the same forward finish as they would alone."""
+    dec = BatchDecoder(bf16_pair, 3, max_batch_size=3)
+    ids = [dec.submit(p, max_new_tokens=20) for p in PROMPTS[:3]]
+    real, calls = dec.pair.verifier.forward, {"n": 0}
+
+    def forward(x, cache, **kw):
+        out = real(x, cache, **kw)
+        calls["n"] += 1
+        if x.shape[0] == 3 and calls["n"] == 6:  # a batched step, not a prefill
+            out.logits[1] = float("nan")
+        return out
+
+    monkeypatch.setattr(dec.pair.verifier, "forward", forward)
+    while not dec.idle:
+        dec.step()
+    res = [dec.result(i) for i in ids]
+    assert res[1].finish_reason == "error" and "NaN" in res[1].error
+    assert [res[0].tokens, res[2].tokens] == alone(bf16_pair, [PROMPTS[0], PROMPTS[2]], [20, 20])
+
+
 def test_bad_input_is_refused_with_the_field_named(bf16_pair):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(wb.RequestError, match="max_batch_size"):

@@ -67,28 +67,27 @@ class KVCache:
         return self._lens[self._at:self._at + self.batch]
 
     @property
-    def uniform(self) -> bool:
-        """Whether every sequence holds the same number of tokens."""
-        lens = self.lengths
-        return lens.count(lens[0]) == len(lens)
-
-    @property
-    def length(self) -> int:
-        """The tokens every sequence holds; an error when they differ (read `lengths` then)."""
-        lens = self.lengths
-        if lens.count(lens[0]) != len(lens):
-            raise ValueError(f"{self.name}: its sequences hold {lens} tokens; read `lengths` for each one's")
-        return lens[0]
-
-    @length.setter
-    def length(self, n: int) -> None:
-        self.set_lengths([n] * self.batch)
-
-    @property
     def start(self) -> int | list[int]:
         """Where the next rows go: the one length, or each sequence's when they differ."""
         lens = self.lengths
         return lens[0] if lens.count(lens[0]) == len(lens) else lens
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every sequence holds the same number of tokens."""
+        return isinstance(self.start, int)
+
+    @property
+    def length(self) -> int:
+        """The tokens every sequence holds; an error when they differ (read `lengths` then)."""
+        start = self.start
+        if isinstance(start, list):
+            raise ValueError(f"{self.name}: its sequences hold {start} tokens; read `lengths` for each one's")
+        return start
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.set_lengths([n] * self.batch)
 
     def positions(self, num_new: int, device: torch.device | str) -> torch.Tensor:
         """The absolute positions of num_new tokens appended to every sequence: [1, T], or [B, T] when
@@ -118,24 +117,24 @@ class KVCache:
         """Store new rows [B, T, W] of layer i at `start` (one position, or one per sequence) and return
         layer i's rows up to the end of the longest write."""
         T = new_rows.shape[1]
-        starts = start if isinstance(start, list) else None
-        end = (max(starts) if starts else start) + T
+        if isinstance(start, list) and start.count(start[0]) == len(start):
+            start = start[0]  # one position for all: the single write below
+        end = (max(start) if isinstance(start, list) else start) + T
         if end > self.max_len:
             raise ContextLengthError(f"{self.name}: writing up to position {end} exceeds the context of {self.max_len} tokens")
-        if starts is not None and starts.count(starts[0]) != len(starts):
-            for b, s in enumerate(starts):  # B small copies: a batched step's rows land at each sequence's length
+        if isinstance(start, list):
+            for b, s in enumerate(start):  # B small copies: a batched step's rows land at each sequence's length
                 self.rows[i, b, s:s + T] = new_rows[b]
         elif torch.compiler.is_compiling():
             # An index write compiles to one graph for any number of new rows. It goes into the
             # whole buffer, not into the view rows[i]: a write through a view of a graph input is
             # functionalised into a copy of the entire cache on every call (O(max_len) per token).
-            dev, start = new_rows.device, starts[0] if starts else start
+            dev = new_rows.device
             index = (torch.full((1, 1), i, device=dev), torch.arange(new_rows.shape[0], device=dev)[:, None],
-                     torch.arange(start, start + T, device=dev)[None, :])  # layer, batch, position: [B, T]
+                     torch.arange(start, end, device=dev)[None, :])  # layer, batch, position: [B, T]
             self.rows.index_put_(index, new_rows)
         else:
-            start = starts[0] if starts else start
-            self.rows[i, :, start:start + T] = new_rows
+            self.rows[i, :, start:end] = new_rows
         return self.rows[i, :, :end]
 
     def write_at(self, i: int, position: torch.Tensor, new_rows: torch.Tensor) -> None:

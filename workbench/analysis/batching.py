@@ -17,6 +17,7 @@ each B allocated beside the figure the configs give; and the GPU roofline model 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import median
@@ -57,8 +58,6 @@ class BatchRun:
 
 def run_group(dec: BatchDecoder, prompts: Sequence[str], max_new_tokens: int, **settings) -> BatchRun:
     """Decode `prompts` together on `dec` (an idle decoder) and time it."""
-    import time
-
     first = len(dec.history)
     t = time.perf_counter()
     results = dec.generate_many(list(prompts), max_new_tokens=max_new_tokens, **settings)

@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from workbench.analysis.costmodel import Line  # the step-cost model's least-squares line
+
 
 class KPolicy(Protocol):
     name: str
@@ -144,11 +146,8 @@ class StepCosts:
                 by_b.setdefault(b, []).append((k, c))
         fitted = {}
         for b, pts in by_b.items():
-            n = len(pts)
-            mk, mc = sum(k for k, _ in pts) / n, sum(c for _, c in pts) / n
-            sxx = sum((k - mk) ** 2 for k, _ in pts)
-            slope = sum((k - mk) * (c - mc) for k, c in pts) / sxx if sxx else 0.0
-            fitted.update({(b, k): mc + slope * (k - mk) for k, _ in pts})
+            line = Line.fit([k for k, _ in pts], [c for _, c in pts])
+            fitted.update({(b, k): line(k) for k, _ in pts})
         return cls(fitted, source)
 
     def __call__(self, batch_size: int, k: int) -> float:

@@ -36,8 +36,8 @@ from workbench.decoding.engine import (MAX_K, RequestError, _Emitter, _Request, 
 from workbench.decoding.events import GenerationResult, StepEvent
 from workbench.decoding.logits import Context
 from workbench.decoding.proposers import NgramProposer, Proposal
-from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingError, SamplingParams, Verdict,
-                                         acceptor_for, check_finite, next_token, shown_prob)
+from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingParams, Verdict, acceptor_for,
+                                         check_finite, greedy_verdicts, next_token, nonfinite_error, shown_prob)
 
 
 @dataclass
@@ -319,20 +319,22 @@ class BatchDecoder:
 
     def _accept(self, rows: list[_Row], props: list[Proposal], logits: torch.Tensor) -> list[Verdict | None]:
         """Each row's verdict over its own k + 1 positions; a row whose logits or settings fail ends alone (None)."""
+        finite = torch.isfinite(logits.amax(-1)).tolist()  # [B][T]: check_finite's test, every row in one op
         verdicts: list[Verdict | None] = [None] * len(rows)
         plain = [b for b, r in enumerate(rows) if isinstance(r.acceptor, GreedyAcceptor) and r.params.greedy
                  and r.params.plain]
-        if plain:  # the greedy rows' argmaxes and probabilities in a few tensor ops
-            for b, d in zip(plain, _greedy_verdicts(logits[plain], [props[b].tokens for b in plain])):
+        if plain:  # the plain greedy rows' argmaxes and probabilities in a few tensor ops
+            for b, d in zip(plain, greedy_verdicts(logits[plain], [props[b].tokens for b in plain])):
                 verdicts[b] = d
         for b, (r, p) in enumerate(zip(rows, props)):
             k = len(p.tokens)
             try:
-                check_finite(logits[b, :k + 1], f"request {r.rid}: verifier logits at step {len(r.events)}")
+                if not all(finite[b][:k + 1]):
+                    raise nonfinite_error(f"request {r.rid}: verifier logits at step {len(r.events)}")
                 if verdicts[b] is None:
                     context = Context(r.verified[:r.prompt_len], r.verified[r.prompt_len:])
                     verdicts[b] = r.acceptor.verify(p.tokens, None, logits[b, :k + 1], r.params, r.generator, context)
-            except (SamplingError, ValueError) as e:
+            except ValueError as e:  # SamplingError: unusable logits or settings
                 verdicts[b] = None
                 self._finish(r, "error", str(e))
         return verdicts
@@ -369,7 +371,7 @@ class BatchDecoder:
             row, slot = self.queue.popleft(), len(self.rows)
             try:
                 ev, aux = self._prefill(row, self.vcache.view(slot))
-            except (SamplingError, ValueError) as e:
+            except ValueError as e:  # SamplingError: unusable logits or settings
                 self._finish(row, "error", str(e))
                 continue
             out.append((row.rid, ev))
@@ -421,34 +423,14 @@ class BatchDecoder:
     # ---- accounting ----------------------------------------------------------------------------
 
     def cache_bytes(self) -> dict[str, int]:
-        """Bytes allocated for the caches of `max_batch_size` rows (verifier, draft)."""
-        draft = self.drafter.cache.nbytes_allocated if isinstance(self.drafter, EagleBatchDrafter) else 0
-        return {"verifier": self.vcache.nbytes_allocated, "draft": draft}
+        """Bytes allocated for the caches of `max_batch_size` rows (verifier, draft; 0 for a drafter without one)."""
+        draft = getattr(self.drafter, "cache", None)
+        return {"verifier": self.vcache.nbytes_allocated, "draft": draft.nbytes_allocated if draft else 0}
 
     def cache_rows(self) -> dict[str, int]:
         """Rows (token positions) each slot holds, per cache: the context plus a step's overhang."""
-        draft = self.drafter.cache.max_len if isinstance(self.drafter, EagleBatchDrafter) else 0
-        return {"verifier": self.vcache.max_len, "draft": draft}
-
-
-def _greedy_verdicts(logits: torch.Tensor, proposals: list[list[int]]) -> list[Verdict]:
-    """GreedyAcceptor's verdicts for rows of plain greedy settings at once: logits [G, T, V] (each
-    row's first k+1 positions its own), argmaxes and softmax probabilities over fp32 (exact for bf16)."""
-    logits = logits.float()
-    G, T = logits.shape[:2]
-    top = logits.argmax(-1)  # [G, T]
-    lse = logits.logsumexp(-1)
-    chosen = torch.tensor([p + [0] * (T - len(p)) for p in proposals], device=logits.device)
-    p_prop = (logits.gather(-1, chosen[..., None])[..., 0] - lse).exp().tolist()
-    p_top = (logits.gather(-1, top[..., None])[..., 0] - lse).exp().tolist()
-    top = top.tolist()
-    verdicts = []
-    for g, p in enumerate(proposals):
-        a = 0
-        while a < len(p) and p[a] == top[g][a]:
-            a += 1
-        verdicts.append(Verdict(a, top[g][a], p_prop[g][:len(p)], p_top[g][a]))
-    return verdicts
+        draft = getattr(self.drafter, "cache", None)
+        return {"verifier": self.vcache.max_len, "draft": draft.max_len if draft else 0}
 
 
 def _empty_stats():

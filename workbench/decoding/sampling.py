@@ -134,31 +134,42 @@ def check_proposals(proposals: list[int], vocab: int) -> None:
         raise SamplingError(f"proposal ids {bad}: out of the vocabulary; expected ids in [0, {vocab - 1}]")
 
 
+def greedy_verdicts(logits: torch.Tensor, proposals: list[list[int]]) -> list[Verdict]:
+    """Greedy verdicts of G sequences at once: logits [G, T, V] (sequence g's first len(proposals[g])
+    + 1 positions its own), each proposal and argmax shown with its softmax probability, from one
+    log-sum-exp per row, over fp32 (exact for bf16)."""
+    logits = logits.float()
+    T = logits.shape[1]
+    top = logits.argmax(-1)  # [G, T]
+    lse = logits.logsumexp(-1)
+    chosen = torch.tensor([p + [0] * (T - len(p)) for p in proposals], device=logits.device)
+    p_prop = (logits.gather(-1, chosen[..., None])[..., 0] - lse).exp().tolist()
+    p_top = (logits.gather(-1, top[..., None])[..., 0] - lse).exp().tolist()
+    out = []
+    for p, t, pp, pt in zip(proposals, top.tolist(), p_prop, p_top):
+        a = 0
+        while a < len(p) and p[a] == t[a]:
+            a += 1
+        out.append(Verdict(a, t[a], pp[:len(p)], pt[a]))
+    return out
+
+
 class GreedyAcceptor:
     """Accept while proposal == verifier argmax (temperature 0)."""
 
     name = "greedy"
 
     def verify(self, proposals, draft_probs, target_logits, params, generator, context=None) -> Verdict:
-        k = len(proposals)
         check_proposals(proposals, target_logits.shape[-1])
         logits = adjust_rows(target_logits, params, context, proposals).float()  # fp32: exact for bf16
-        argmax = logits.argmax(-1)  # [k+1]
-        if params.greedy:  # the softmax of each proposal and of each argmax, from one log-sum-exp per row
-            lse = logits.logsumexp(-1)
-            rows = torch.arange(k + 1)
-            chosen = logits[rows, torch.tensor(proposals + [0], dtype=torch.long)]
-            p_all = torch.stack([chosen, logits[rows, argmax]]).sub(lse).exp().tolist()
-            p, p_top, argmax = p_all[0][:k], p_all[1], argmax.tolist()
-        else:
-            shown = probs_from_logits(logits, params)
-            argmax = argmax.tolist()
-            p = [float(shown[i, t]) for i, t in enumerate(proposals)]
-            p_top = [float(shown[i, t]) for i, t in enumerate(argmax)]
+        if params.greedy:
+            return greedy_verdicts(logits[None], [list(proposals)])[0]
+        argmax = logits.argmax(-1).tolist()  # at T > 0 the verdict is greedy, the probabilities shown p's
+        shown = probs_from_logits(logits, params)
         a = 0
-        while a < k and proposals[a] == argmax[a]:
+        while a < len(proposals) and proposals[a] == argmax[a]:
             a += 1
-        return Verdict(a, argmax[a], p, p_top[a])
+        return Verdict(a, argmax[a], [float(shown[i, t]) for i, t in enumerate(proposals)], float(shown[a, argmax[a]]))
 
 
 def _target(target_logits, params, context, proposals) -> torch.Tensor:
