@@ -15,6 +15,7 @@ except ImportError:  # pragma: no cover
 
 import atexit
 import shutil
+import sys
 import tempfile
 
 # Inductor's on-disk graph cache, fresh for each test session: the compiled tests count its hits
@@ -25,6 +26,42 @@ atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_err
 import pytest
 
 from tests.helpers import make_random_pair
+
+# --- The repository tests on its own: no test may read beside it (a clone has nothing there). ---
+# An audit hook sees every `open` and directory listing of this process; those that land in the
+# repository's parent folder but outside the repository are recorded, and the test that made them
+# fails. Interpreters, virtual environments, temporary folders and tools' dot-folders in the home
+# directory are not the project's data, wherever they sit.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BESIDE = os.path.dirname(_REPO) + os.sep
+_ALLOWED = tuple(os.path.join(os.path.abspath(d), "") for d in
+                 {sys.prefix, sys.base_prefix, sys.exec_prefix, tempfile.gettempdir()}) + \
+    (os.path.join(os.path.expanduser("~"), "."),)
+outside_reads: list[str] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event not in ("open", "os.listdir", "os.scandir") or not args or isinstance(args[0], (int, type(None))):
+        return
+    path = os.fsdecode(args[0])
+    full = os.path.abspath(path)
+    if (full.startswith(_BESIDE) and not (full + os.sep).startswith(_REPO + os.sep)
+            and not full.startswith(_ALLOWED)):
+        outside_reads.append(full)
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.fixture(autouse=True)
+def _reads_stay_in_the_repository():
+    before = len(outside_reads)
+    yield
+    beside = outside_reads[before:]
+    if beside:
+        del outside_reads[before:]
+        pytest.fail(f"read outside the repository {_REPO}: {sorted(set(beside))}; "
+                    f"a clone has nothing beside it, so keep test data in the repository")
 
 
 @pytest.fixture(scope="session")

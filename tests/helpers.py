@@ -6,6 +6,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 EMBEDDED = REPO / "assets" / "tiny-kimi"
+# Published configs and tensor listings, kept in the repository so a clone tests on its own.
+REAL = REPO / "tests" / "data" / "real"
 
 
 def make_random_pair(out: Path, seed: int = 0, attention: str = "mla", hidden: int = 64, layers: int = 4,

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 import workbench as wb
-from tests.helpers import REPO
+from tests.helpers import REAL, REPO
 from workbench.config import DraftConfig, VerifierConfig
 from workbench.analysis.kvcache import handover_bytes
 from workbench.decoding.disagg import MODES, Packed, decode_instance, prefill_instance
 
 PROMPT = 'import json\n\n\ndef load_config(path):\n    """Read a JSON config file and return a dict."""'
-REAL = REPO.parent / "shared" / "real"
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 `check_vllm_draft_dir` states the expected checkpoint from eagle3_mla.md §1-2 (names, the
 exact [out, in] shapes of the §2 table, config fields), independently of the exporter, and
-`vllm_reads` restates what vLLM's config code makes of a draft config (shared/real/README.md).
+`vllm_reads` restates what vLLM's config code makes of a draft config (tests/data/real/README.md).
 """
 from __future__ import annotations
 

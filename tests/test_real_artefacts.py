@@ -1,11 +1,12 @@
-"""The published artefacts in shared/real (configs and tensor listings of checkpoints people serve):
+"""The published artefacts in tests/data/real (configs and tensor listings of checkpoints people serve):
 each config parses, a model built from it (on the meta device, shrunk to 3 layers with every head
 and expert dimension kept) expects exactly the tensors its listing names once the loader's renames
 are applied, its KV cache costs the bytes worked out by hand below, and the two public drafts load
 against their verifiers with the aux ids vLLM captures, export as vLLM reads them, and are checked
 by the doctor's field checks.
 
-The folder sits beside the repository (`../shared/real`); these tests fail, not skip, without it.
+The folder is part of the repository (its README gives each file's source); these tests fail, not
+skip, without it.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import REAL
 from tests.test_export import vllm_reads
 from workbench.analysis import field_checks as fc
 from workbench.analysis.kvcache import bytes_per_token
@@ -24,7 +26,6 @@ from workbench.config import DraftConfig, VerifierConfig
 from workbench.models import Eagle3Draft, Verifier
 from workbench.pair import check_pairing
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "real"
 K2, K25, V2_LITE = "moonshotai__Kimi-K2-Instruct", "moonshotai__Kimi-K2.5", "deepseek-ai__DeepSeek-V2-Lite"
 TORCHSPEC, SPECFORGE = "zhubohao911__TorchSpec__kimi_k25_eagle3_mla", "sgl-project__SpecForge__kimi-k2-eagle3"
 LISTINGS = {K2: "moonshotai__Kimi-K2-Instruct", K25: "moonshotai__Kimi-K2.5",
@@ -37,10 +38,10 @@ SHRUNK_LAYERS = 3  # layer 0 dense (first_k_dense_replace = 1 in all three), lay
 def real(name: str) -> Path:
     if not REAL.is_dir():
         pytest.fail(f"{REAL}: missing; these tests read the published configs and tensor listings from "
-                    f"shared/real beside the repository (../shared/real)")
+                    f"tests/data/real in the repository")
     path = REAL / name
     if not path.is_file():
-        pytest.fail(f"{path}: missing from shared/real; expected the published artefact of that name")
+        pytest.fail(f"{path}: missing from tests/data/real; expected the published artefact of that name")
     return path
 
 
@@ -57,7 +58,7 @@ def verifier_config(name: str, layers: int | None = None) -> VerifierConfig:
 
 
 def test_every_artefact_is_covered():
-    """Every file in shared/real is one these tests read, and the README's table names each of them."""
+    """Every file in tests/data/real is one these tests read, and the README's table names each of them."""
     real("README.md")
     assert {p.name for p in REAL.iterdir()} == FILES
     table = real("README.md").read_text()

@@ -2,7 +2,6 @@
 all-reduces by hand, HBM capacity by hand, the physics every row must obey, and input checks."""
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -20,9 +19,9 @@ from workbench.analysis.roofline import (
     verify_cost,
     weights_per_gpu,
 )
+from tests.helpers import REAL
 from workbench.config import DraftConfig, VerifierConfig
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "real"
 VERIFIER_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
                    "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
@@ -41,7 +40,6 @@ def _row(model, b, k):
     return next(r for r in model.table if r["B"] == b and r["k"] == k)
 
 
-@pytest.mark.skipif(not REAL.is_dir(), reason=f"{REAL} absent: the published configs sit beside the repository")
 def test_presets_are_the_real_configs():
     v = VerifierConfig.from_hf(json.loads((REAL / "moonshotai__Kimi-K2-Instruct.config.json").read_text()))
     d = DraftConfig.from_hf(json.loads((REAL / "zhubohao911__TorchSpec__kimi_k25_eagle3_mla.config.json").read_text()),
