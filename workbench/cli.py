@@ -334,13 +334,12 @@ def cmd_bench_kernels(args) -> int:
 def cmd_pretrain(args) -> int:
     from workbench.training.pretrain import PretrainArgs, pretrain
 
-    report = pretrain(PretrainArgs(out=Path(args.out), tokenizer=Path(args.tokenizer), max_minutes=args.max_minutes,
-                                   batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed))
-    tok_dir = Path(args.tokenizer).parent
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        if (tok_dir / f).exists() and tok_dir.resolve() != Path(args.out).resolve():
-            (Path(args.out) / f).write_bytes((tok_dir / f).read_bytes())
-    print(json.dumps({k: v for k, v in report.items() if k != "history"}))
+    report = pretrain(PretrainArgs(
+        out=Path(args.out), corpus=Path(args.corpus), tokenizer=Path(args.tokenizer),
+        init=Path(args.init) if args.init else None, resume=args.resume, max_minutes=args.max_minutes,
+        batch=args.batch, seq=args.seq, lr=args.lr, warmup=args.warmup, seed=args.seed,
+        eval_every=args.eval_every, eval_windows=args.eval_windows, bf16=not args.fp32, threads=args.threads))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("history", "segments")}))
     return 0
 
 
@@ -480,14 +479,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_bench_kernels)
 
-    p = sub.add_parser("pretrain-verifier", help="pretrain the tiny-kimi verifier on the stdlib corpus")
-    p.add_argument("--out", required=True)
-    p.add_argument("--tokenizer", default=str(REPO / "assets/tiny-kimi/verifier/tokenizer.json"))
+    p = sub.add_parser("pretrain-verifier", help="pretrain the tiny-kimi verifier on a built Python corpus")
+    p.add_argument("--out", required=True, help="run folder: checkpoint/, final/ (bf16) and pretrain_log.json")
+    p.add_argument("--corpus", required=True, help="a built corpus (python -m workbench.training.corpus build)")
+    p.add_argument("--tokenizer", default=str(REPO / "assets/tiny-kimi/verifier"), help="folder with tokenizer.json")
+    p.add_argument("--init", help="warm restart from these weights, with a fresh schedule")
+    p.add_argument("--resume", action="store_true", help="continue --out's checkpoint where it stopped")
     p.add_argument("--max-minutes", type=float, default=30)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-windows", type=int, default=16)
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--fp32", action="store_true", help="fp32 matmuls (default: bf16 with fp32 statistics)")
     p.set_defaults(fn=cmd_pretrain)
 
     p = sub.add_parser("train-draft", help="online EAGLE-3 training with training-time test", add_help=False)

@@ -1,28 +1,36 @@
-"""Pretraining the embedded tiny-kimi verifier on Python's standard library (embedded pair only).
+"""Pretraining the embedded tiny-kimi verifier on a permissive Python corpus (the embedded pair only).
 
 A Kimi-K2 in miniature: `deepseek_v3` layout (so transformers and vLLM load it), q_lora set,
 a latent cache row of kv_lora + rope = 80 values against 4 heads x (32 + 32) = 256 for MHA,
 interleaved YaRN RoPE, sigmoid-routed MoE with a shared expert after one dense layer.
 Expert load is balanced DeepSeek-V3's auxiliary-loss-free way: after each step every
 expert's `e_score_correction_bias` moves by `bias_update` against its load imbalance.
-nanoGPT-style: one straight loop, AdamW, warmup then cosine, a time budget.
+
+nanoGPT-style: one straight loop, AdamW, warmup then cosine, a time budget. It trains the
+`TrainVerifier` view (stacked experts, causal SDPA, bf16 matmuls) and saves the reference layout.
+A run is a sequence of segments: each writes a resumable checkpoint (weights and AdamW moments in
+safetensors, the step and data position in JSON) into `out/`, and `--resume` continues it; a new
+sitting that has only committed bf16 weights starts a fresh schedule from them with `--init`
+(a warm restart). Every segment is logged in `out/pretrain_log.json`.
 """
 from __future__ import annotations
 
 import json
 import math
+import platform
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from workbench.config import VerifierConfig
 from workbench.models import Verifier
-from workbench.models.moe import MoE
 from workbench.training.eagle3 import lr_at
+from workbench.training.lm_eval import BUCKETS, bits_per_byte, eval_windows, token_byte_lengths
+from workbench.training.token_data import TokenData
+from workbench.training.train_view import TrainVerifier
 
 
 def tiny_kimi_config(vocab_size: int = 8192, bos: int = 0, eos: int = 1) -> VerifierConfig:
@@ -50,111 +58,199 @@ def init_weights(model: torch.nn.Module, n_layers: int, std: float = 0.02) -> No
             torch.nn.init.normal_(p, 0, std)
 
 
-def token_stream(texts: list[str], tokenizer_path: Path, bos: int, eos: int) -> torch.Tensor:
-    """Every document as [bos] + ids + [eos], concatenated."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_path))
-    out: list[int] = []
-    for enc in tok.encode_batch(texts, add_special_tokens=False):
-        out += [bos, *enc.ids, eos]
-    return torch.tensor(out, dtype=torch.long)
-
-
-def batches(stream: torch.Tensor, batch: int, seq: int, rng: random.Random):
-    while True:
-        starts = [rng.randrange(0, len(stream) - seq - 1) for _ in range(batch)]
-        yield torch.stack([stream[s:s + seq + 1] for s in starts])
-
-
-@torch.no_grad()
-def eval_loss(model: Verifier, eval_batches: list[torch.Tensor]) -> float:
-    model.eval()
-    losses = [F.cross_entropy(model(b[:, :-1]).logits.flatten(0, 1).float(), b[:, 1:].flatten()).item()
-              for b in eval_batches]
-    model.train()
-    return sum(losses) / len(losses)
-
-
 @dataclass
 class PretrainArgs:
     out: Path
-    tokenizer: Path
+    corpus: Path  # a built corpus: train.jsonl, eval.jsonl, optionally chat_train.jsonl
+    tokenizer: Path  # a directory with tokenizer.json (copied next to the weights)
+    init: Path | None = None  # warm restart from saved weights (a fresh schedule)
+    resume: bool = False  # continue out/'s checkpoint: weights, moments, step, data position
     max_minutes: float = 25.0
-    max_steps: int = 100000
-    batch: int = 8
-    seq: int = 512
+    max_steps: int = 1_000_000
+    batch: int = 4
+    seq: int = 2048
     lr: float = 2e-3
     warmup: int = 50
+    floor: float = 0.1  # the cosine ends at floor * lr
     seed: int = 0
     bias_update: float = 1e-3
     bf16: bool = True
     eval_every: int = 100
+    eval_windows: int = 16
+    save_every_minutes: float = 10.0
+    threads: int | None = None
+
+
+@dataclass
+class RunState:
+    """What a segment hands the next one besides the weights and moments."""
+    step: int = 0
+    total: int = 0
+    rng: list = field(default_factory=list)
+    segments: list = field(default_factory=list)
+    history: list = field(default_factory=list)
+
+
+def _optim_state(opt: torch.optim.Optimizer, named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in named:
+        st = opt.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if key in st:
+                out[f"{name}::{key}"] = st[key].detach().reshape(-1) if key == "step" else st[key].detach()
+    return out
+
+
+def _load_optim_state(opt: torch.optim.Optimizer, named: list[tuple[str, torch.nn.Parameter]],
+                      tensors: dict[str, torch.Tensor]) -> None:
+    for name, p in named:
+        if f"{name}::exp_avg" in tensors:
+            opt.state[p] = {"exp_avg": tensors[f"{name}::exp_avg"].clone(),
+                            "exp_avg_sq": tensors[f"{name}::exp_avg_sq"].clone(),
+                            "step": tensors[f"{name}::step"].reshape(()).clone()}
+
+
+def save_checkpoint(view: TrainVerifier, opt: torch.optim.Optimizer, state: RunState, out: Path) -> None:
+    """Reference weights in fp32 + AdamW moments (safetensors) + the run state (JSON), written
+    beside the old ones and renamed into place, so a kill mid-save leaves the last good checkpoint."""
+    from safetensors.torch import save_file
+
+    from workbench.pair import save_model
+
+    tmp = out / "checkpoint.tmp"
+    save_model(view.write_back(), tmp, dtype=torch.float32)
+    save_file(_optim_state(opt, view.trainable()), str(tmp / "optimizer.safetensors"))
+    (tmp / "state.json").write_text(json.dumps(asdict(state), indent=1))
+    final = out / "checkpoint"
+    if final.exists():
+        old = out / "checkpoint.old"
+        final.rename(old)
+        tmp.rename(final)
+        import shutil
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def pretrain(args: PretrainArgs, log=print) -> dict:
     # long: the whole training loop reads top to bottom, as nanoGPT's train.py does
-    from workbench.pair import save_model
-    from workbench.training.corpus import load_split
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
 
+    from workbench.pair import load_verifier, save_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_path = Path(args.tokenizer)
+    tok_file = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
+    tokenizer = Tokenizer.from_file(str(tok_file))
     torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
-    cfg = tiny_kimi_config()
-    t0 = time.time()
-    train = token_stream(load_split("train"), args.tokenizer, cfg.bos_token_id, cfg.eos_token_id)
-    evals = token_stream(load_split("eval"), args.tokenizer, cfg.bos_token_id, cfg.eos_token_id)
-    eval_rng = random.Random(1234)
-    eval_batches = [next(batches(evals, 8, args.seq, eval_rng)) for _ in range(4)]
-    log(f"tokens: train {len(train):,}, eval {len(evals):,} ({time.time() - t0:.0f}s to tokenize)")
 
-    model = Verifier(cfg)
-    init_weights(model, cfg.num_hidden_layers)
+    t0 = time.time()
+    data = TokenData.build(Path(args.corpus), tokenizer, cache=out / "tokens", seed=args.seed, log=log)
+    log(f"tokens: train {data.train_tokens:,}, eval {data.eval_tokens:,} ({time.time() - t0:.0f}s)")
+    byte_len = token_byte_lengths(tokenizer)
+    windows = eval_windows(data, args.seq, args.eval_windows)
+
+    ckpt = out / "checkpoint"
+    state = RunState()
+    if args.resume:
+        if not (ckpt / "state.json").is_file():
+            raise FileNotFoundError(f"{ckpt}/state.json: no checkpoint to resume; expected a run started with --out {out}")
+        model = load_verifier(ckpt, dtype=torch.float32)
+        state = RunState(**json.loads((ckpt / "state.json").read_text()))
+    elif args.init is not None:
+        model = load_verifier(args.init, dtype=torch.float32)
+    else:
+        cfg = tiny_kimi_config(vocab_size=tokenizer.get_vocab_size())
+        model = Verifier(cfg)
+        init_weights(model, cfg.num_hidden_layers)
     model.train()
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    view = TrainVerifier(model, bf16=args.bf16)
+    named = view.trainable()
+    decay = [p for n, p in named if p.dim() >= 2]
+    no_decay = [p for n, p in named if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
+    if args.resume:
+        _load_optim_state(opt, named, load_file(str(ckpt / "optimizer.safetensors")))
+    rng = random.Random(args.seed)
+    if state.rng:
+        rng.setstate((state.rng[0], tuple(state.rng[1]), state.rng[2]))
+
     budget = args.max_minutes * 60
-    # The step count the budget allows is re-estimated as training goes (a shared machine's speed
-    # varies), so the cosine decay ends when the time does.
-    total = args.max_steps
-    history = []
-    start = time.time()
-    data = batches(train, args.batch, args.seq, rng)
-    step = 0
+    # A fresh schedule sizes its cosine to the time budget (re-estimated as training goes, since a
+    # shared machine's speed varies); a resumed one keeps the total it had.
+    fixed_total = args.resume and state.total > 0
+    total = state.total if fixed_total else args.max_steps
+    first = step = state.step
+    start = last_save = time.time()
+    segment = {"start_step": first, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "mode": "resume" if args.resume else ("warm restart" if args.init else "scratch"),
+               "threads": torch.get_num_threads(), "cpu": _cpu_name(), "batch": args.batch, "seq": args.seq,
+               "lr": args.lr, "bf16": args.bf16}
     while step < total:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, args.lr, args.warmup, floor=0.1)
-        b = next(data)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            logits = model(b[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), b[:, 1:].flatten())
+            g["lr"] = lr_at(step, total, args.lr, args.warmup, floor=args.floor)
+        batch = data.sample(args.batch, args.seq, rng)
+        loss = view.loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], 1.0)
         opt.step()
         with torch.no_grad():  # auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2)
-            for m in moes:
+            for m in view.moes():
                 load = m.gate.last_load
                 m.gate.e_score_correction_bias += args.bias_update * torch.sign(load.mean() - load)
         step += 1
         elapsed = time.time() - start
-        if step >= 10 and step % 10 == 0:
-            total = max(step + 1, min(args.max_steps, int(budget / (elapsed / step))))
+        done = step - first
+        if not fixed_total and done >= 10 and done % 10 == 0:
+            total = max(step + 1, min(args.max_steps, first + int(budget / (elapsed / done))))
         if elapsed > budget:
             total = step
-        if step % 10 == 0:
-            log(f"step {step}/{total} loss {loss.item():.3f} lr {opt.param_groups[0]['lr']:.2e} {elapsed:.0f}s")
+        if done % 10 == 0:
+            log(f"step {step}/{total} loss {loss.item():.3f} lr {opt.param_groups[0]['lr']:.2e} "
+                f"{done * args.batch * args.seq / elapsed:.0f} tok/s {elapsed:.0f}s")
         if step % args.eval_every == 0 or step == total:
-            ev = eval_loss(model, eval_batches)
-            history.append({"step": step, "train_loss": loss.item(), "eval_loss": ev, "seconds": elapsed})
-            log(f"eval loss {ev:.3f}")
-    model.eval()
-    save_model(model, args.out, dtype=torch.bfloat16)
-    final = eval_loss(model.to(torch.bfloat16).float(), eval_batches)
-    report = {"steps": step, "minutes": (time.time() - start) / 60, "eval_loss_bf16_weights": final,
-              "tokens_seen": step * args.batch * args.seq, "history": history, "seed": args.seed,
-              "batch": args.batch, "seq": args.seq, "lr": args.lr}
-    (Path(args.out) / "pretrain_log.json").write_text(json.dumps(report, indent=1))
+            bpb = bits_per_byte(lambda ids: view(ids), windows, byte_len)
+            state.history.append({"step": step, "train_loss": loss.item(), "eval_bpb": bpb, "seconds": elapsed})
+            log(f"eval bits/byte {json.dumps(bpb)}")
+        if time.time() - last_save > args.save_every_minutes * 60 or step == total:
+            state.step, state.total = step, total
+            state.rng = list(rng.getstate())
+            save_checkpoint(view, opt, state, out)
+            last_save = time.time()
+    minutes = (time.time() - start) / 60
+    segment.update(end_step=step, minutes=round(minutes, 2), tokens=(step - first) * args.batch * args.seq,
+                   tokens_per_s=round((step - first) * args.batch * args.seq / max(1e-9, minutes * 60)))
+    state.segments.append(segment)
+    state.step, state.total, state.rng = step, total, list(rng.getstate())
+    save_checkpoint(view, opt, state, out)
+
+    model = view.write_back().eval()
+    save_model(model, out / "final", dtype=torch.bfloat16)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        src = tok_file.parent / f
+        if src.is_file():
+            (out / "final" / f).write_bytes(src.read_bytes())
+    bf16_weights = model.to(torch.bfloat16).float()
+    final = bits_per_byte(lambda ids: bf16_weights(ids).logits, windows, byte_len)
+    report = {"steps": step, "segment": segment, "eval_bpb_bf16_weights": final, "buckets": BUCKETS,
+              "tokens_seen": sum(s["tokens"] for s in state.segments), "segments": state.segments,
+              "history": state.history, "seed": args.seed}
+    (out / "pretrain_log.json").write_text(json.dumps(report, indent=1))
     return report
+

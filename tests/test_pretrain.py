@@ -1,0 +1,125 @@
+"""The verifier's pretraining pipeline: the training view computes the reference model's math, a
+run stopped and resumed lands on the same weights as one that never stopped, and bits per byte
+is what its definition says."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from tests.helpers import EMBEDDED
+from workbench.models import Verifier
+from workbench.training.lm_eval import bits_per_byte, token_byte_lengths
+from workbench.training.pretrain import PretrainArgs, init_weights, pretrain, tiny_kimi_config
+from workbench.training.train_view import TrainVerifier
+
+TOKENIZER = EMBEDDED / "verifier"
+
+
+def small_verifier(seed: int = 0) -> Verifier:
+    torch.manual_seed(seed)
+    cfg = tiny_kimi_config()
+    cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.moe_intermediate_size = 64, 3, 96, 32
+    cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim = 48, 32, 16, 8, 16
+    model = Verifier(cfg)
+    init_weights(model, cfg.num_hidden_layers, std=0.1)  # large enough that routing and attention matter
+    return model
+
+
+def test_the_training_view_computes_the_reference_logits():
+    model = small_verifier().eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 96))
+    ref = model(ids).logits
+    assert (TrainVerifier(model, bf16=False)(ids) - ref).abs().max().item() <= 2e-4
+    got = TrainVerifier(model, bf16=True)(ids).float()
+    # bf16 rounding, not another function: small errors almost everywhere (a token whose two best
+    # experts nearly tie may route differently in bf16, so the maximum is not bounded tightly).
+    assert (got - ref).abs().mean().item() <= 0.02
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.95
+
+
+def test_write_back_puts_the_trained_experts_into_the_reference_layout():
+    model = small_verifier().train()
+    view = TrainVerifier(model, bf16=False)
+    opt = torch.optim.SGD([p for _, p in view.trainable()], lr=0.5)
+    ids = torch.randint(0, model.config.vocab_size, (2, 33))
+    view.loss(ids).backward()
+    opt.step()
+    stacked = next(iter(view.experts.values())).w_gate.detach().clone()
+    view.write_back()
+    first_moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    assert torch.equal(first_moe.experts[3].gate_proj.weight, stacked[3])
+    model.eval()
+    assert torch.allclose(TrainVerifier(model, bf16=False)(ids[:, :-1]), model(ids[:, :-1]).logits, atol=2e-4)
+
+
+def _corpus(tmp: Path) -> Path:
+    """A small corpus in the built layout, from the project's own source (train) and tests (eval)."""
+    root = Path(__file__).resolve().parent.parent
+    tmp.mkdir(parents=True, exist_ok=True)
+    for split, paths in (("train", sorted((root / "workbench").rglob("*.py"))[:40]),
+                         ("eval", sorted((root / "tests").glob("test_*.py"))[:6])):
+        with (tmp / f"{split}.jsonl").open("w") as f:
+            for p in paths:
+                f.write(json.dumps({"package": "workbench" if split == "train" else "tests", "version": "0",
+                                    "license": "Apache-2.0", "path": p.name, "text": p.read_text()}) + "\n")
+    return tmp
+
+
+def _args(tmp: Path, corpus: Path, **kw) -> PretrainArgs:
+    base = dict(out=tmp, corpus=corpus, tokenizer=TOKENIZER, batch=2, seq=64, lr=3e-3, warmup=2,
+                eval_every=1000, eval_windows=2, threads=1, max_minutes=60)
+    return PretrainArgs(**{**base, **kw})
+
+
+@pytest.mark.slow
+def test_a_resumed_run_equals_one_that_never_stopped(tmp_path, monkeypatch):
+    """Six steps straight, against three steps, a checkpoint, and three more resumed from it: the same
+    weights bit for bit, so a run may span sittings without changing what it computes."""
+    import workbench.training.pretrain as pt
+
+    corpus = _corpus(tmp_path / "corpus")
+    monkeypatch.setattr(pt, "tiny_kimi_config", lambda vocab_size: small_verifier().config)
+    straight = pretrain(_args(tmp_path / "a", corpus, max_steps=6), log=lambda s: None)
+    # The same schedule, stopped after 3 steps: a resumed run keeps its total (6), so the learning
+    # rates match step for step.
+    first = pretrain(_args(tmp_path / "b", corpus, max_steps=6, max_minutes=0.0), log=lambda s: None)
+    assert first["steps"] == 1  # a zero budget stops after one step
+    state = json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())
+    state["total"] = 6
+    (tmp_path / "b" / "checkpoint" / "state.json").write_text(json.dumps(state))
+    resumed = pretrain(_args(tmp_path / "b", corpus, max_steps=6, resume=True), log=lambda s: None)
+    assert straight["steps"] == resumed["steps"] == 6
+    assert [s["mode"] for s in resumed["segments"]] == ["scratch", "resume"]
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "a" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "checkpoint" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight["eval_bpb_bf16_weights"] == resumed["eval_bpb_bf16_weights"]
+    assert (tmp_path / "a" / "final" / "tokenizer.json").is_file()
+
+
+def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_over_bytes():
+    tok = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    lengths = token_byte_lengths(tok)
+    assert lengths[0] == lengths[1] == 0  # <|bos|>, <|eos|> stand for no bytes
+    ids = tok.encode("def f(x):\n    return x + 1\n", add_special_tokens=False).ids
+    assert sum(lengths[i] for i in ids) == len(b"def f(x):\n    return x + 1\n")
+    vocab = tok.get_vocab_size()
+    window = torch.tensor([[0, *ids]])
+    bpb = bits_per_byte(lambda x: torch.zeros(1, x.shape[1], vocab), [window], lengths, buckets=((0, 256),))
+    expected = len(ids) * math.log2(vocab) / sum(lengths[i] for i in ids)
+    assert bpb["0-256"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_a_corpus_without_its_files_is_refused_by_name(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train.jsonl"):
+        pretrain(_args(tmp_path / "run", tmp_path / "nothing"), log=lambda s: None)

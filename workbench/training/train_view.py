@@ -1,0 +1,159 @@
+"""A training twin of the verifier: the same weights laid out for fast training on a CPU.
+
+The plain `Verifier` is the reference; this is a transform beside it, as the fast inference paths
+are. It shares every weight with the reference model except the routed experts, which it stacks
+into one [E, ...] tensor per projection so that all experts run as three batched matmuls instead
+of a Python loop of small ones. `write_back` copies the stacked experts into the reference's
+`mlp.experts.{e}` modules, so what is saved is the reference layout that every loader reads.
+
+What differs from the reference forward, and why:
+- attention without a cache uses SDPA's causal kernel instead of an explicit boolean mask (the
+  mask forces the math path, which materialises [B, N, T, T] scores and is several times slower);
+- matmuls run in bf16 where `bf16=True` (the CPU's matrix units, AMX or AVX512-BF16, run bf16
+  5-15x faster than fp32 here), with norms' statistics, routing, softmax and the loss in fp32;
+- tokens are grouped by expert with one sort, padded to the largest group, and run as `bmm`.
+The forward equals the reference's to bf16 rounding (tested in tests/test_train_view.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.models import Verifier
+from workbench.models.mla import MLAttention
+from workbench.models.moe import MLP, MoE
+from workbench.models.norm import RMSNorm
+
+
+class StackedExperts(nn.Module):
+    """The routed experts of one MoE layer as [E, I, H] / [E, H, I] parameters, run as one bmm each."""
+
+    def __init__(self, moe: MoE) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.stack([e.gate_proj.weight.detach().float() for e in moe.experts]))
+        self.w_up = nn.Parameter(torch.stack([e.up_proj.weight.detach().float() for e in moe.experts]))
+        self.w_down = nn.Parameter(torch.stack([e.down_proj.weight.detach().float() for e in moe.experts]))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H], routing weights and expert ids [N, k] -> the weighted sum of each token's experts [N, H]."""
+        n, k = ids.shape
+        n_experts = self.w_gate.shape[0]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        expert = flat[order]
+        counts = torch.bincount(flat, minlength=n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(n * k, device=x.device) - starts[expert]  # place within its expert's group
+        token = order // k
+        # A host sync per layer for the padded width: cheap next to the matmuls it sizes.
+        width = int(counts.max())
+        grouped = x.new_zeros(n_experts, width, x.shape[1])
+        grouped[expert, rank] = x[token]
+        dt = x.dtype
+        h = F.silu(torch.bmm(grouped, self.w_gate.to(dt).transpose(1, 2))) * torch.bmm(
+            grouped, self.w_up.to(dt).transpose(1, 2))
+        y = torch.bmm(h, self.w_down.to(dt).transpose(1, 2))[expert, rank]
+        y = y * weights.reshape(-1)[order, None].to(dt)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+    @torch.no_grad()
+    def write_back(self, moe: MoE) -> None:
+        for e, mlp in enumerate(moe.experts):
+            mlp.gate_proj.weight.copy_(self.w_gate[e])
+            mlp.up_proj.weight.copy_(self.w_up[e])
+            mlp.down_proj.weight.copy_(self.w_down[e])
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm with fp32 statistics, handed on in the compute dtype (the reference returns fp32
+    under autocast, which costs a cast before every matmul)."""
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=norm.eps) * norm.weight).to(dtype)
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.weight.to(x.dtype))
+
+
+def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    return _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+
+
+def _attention(a: MLAttention, x: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The reference's cacheless MLA (naive path), causal by SDPA's own kernel."""
+    B, T, _ = x.shape
+    if a.q_lora is None:
+        q = _linear(a.q_proj, x)
+    else:
+        q = _linear(a.q_b_proj, _norm(a.q_a_layernorm, _linear(a.q_a_proj, x), dtype))
+    q = q.view(B, T, a.n_heads, a.nope + a.rope)
+    q_nope, q_pe = q.split([a.nope, a.rope], dim=-1)
+    c_kv, k_pe = _linear(a.kv_a_proj_with_mqa, x).split([a.kv_lora, a.rope], dim=-1)
+    cos, sin = a.rotary.cos_sin(positions, dtype)
+    q_pe, k_pe = a.rotary(q_pe, cos, sin), a.rotary(k_pe, cos, sin)
+    kv = _linear(a.kv_b_proj, _norm(a.kv_a_layernorm, c_kv, dtype)).view(B, T, a.n_heads, a.nope + a.v_dim)
+    k_nope, v = kv.split([a.nope, a.v_dim], dim=-1)
+    k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, T, a.n_heads, a.rope)], dim=-1)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    # SDPA's flash kernel wants v as wide as q and k; zero columns of v give zero outputs, cut after.
+    pad = q.shape[-1] - a.v_dim
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                       F.pad(v, (0, pad)).transpose(1, 2) if pad > 0 else v.transpose(1, 2),
+                                       is_causal=True, scale=a.scale)[..., :a.v_dim]
+    return _linear(a.o_proj, o.transpose(1, 2).reshape(B, T, a.n_heads * a.v_dim))
+
+
+class TrainVerifier(nn.Module):
+    """The verifier's weights, trained fast: shares all but the routed experts with `model`."""
+
+    def __init__(self, model: Verifier, bf16: bool = True) -> None:
+        super().__init__()
+        self.model = model
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.experts = nn.ModuleDict({str(i): StackedExperts(layer.mlp) for i, layer in enumerate(model.model.layers)
+                                      if isinstance(layer.mlp, MoE)})
+        for moe_experts in (layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp, MoE)):
+            moe_experts.requires_grad_(False)  # trained through the stacked copy
+
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+
+    def moes(self) -> list[MoE]:
+        return [layer.mlp for layer in self.model.model.layers if isinstance(layer.mlp, MoE)]
+
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] from position 0 -> the final normed hidden states [B, T, H] in the compute dtype."""
+        m, dt = self.model.model, self.dtype
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        h = m.embed_tokens(input_ids).float()  # the residual stream stays fp32
+        for i, layer in enumerate(m.layers):
+            h = h + _attention(layer.self_attn, _norm(layer.input_layernorm, h, dt), positions, dt).float()
+            x = _norm(layer.post_attention_layernorm, h, dt)
+            if isinstance(layer.mlp, MoE):
+                flat = x.reshape(-1, x.shape[-1])
+                weights, ids = layer.mlp.gate(flat)  # fp32 routing, as the reference
+                y = self.experts[str(i)](flat, weights, ids)
+                if layer.mlp.shared_experts is not None:
+                    y = y + _mlp(layer.mlp.shared_experts, flat)
+                y = y.view_as(x)
+            else:
+                y = _mlp(layer.mlp, x)
+            h = h + y.float()
+        return _norm(m.norm, h, dt)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] in the compute dtype."""
+        return _linear(self.model.lm_head, self.hidden(input_ids))
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (fp32) over batch [B, T+1]."""
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    @torch.no_grad()
+    def write_back(self) -> Verifier:
+        """Copy the stacked experts into the reference model and return it."""
+        for i, layer in enumerate(self.model.model.layers):
+            if str(i) in self.experts:
+                self.experts[str(i)].write_back(layer.mlp)
+        return self.model
