@@ -75,11 +75,13 @@ class TokenData:
 
     @classmethod
     def build(cls, corpus: Path, tokenizer: Tokenizer, cache: Path, seed: int = 0,
-              bos: int = 0, eos: int = 1, log: Callable[[str], None] = print) -> "TokenData":
+              bos: int = 0, eos: int = 1, log: Callable[[str], None] = print,
+              eval_only: bool = False) -> "TokenData":
         """Tokenize `corpus` (train.jsonl, eval.jsonl, chat_train.jsonl if present) or read the cache.
 
         The held-out split is the corpus' eval packages without the standard library's eval files,
-        so evaluation is on third-party code that no training document comes from.
+        so evaluation is on third-party code that no training document comes from. `eval_only`
+        leaves the train split empty (an evaluation needs none of it).
         """
         files = [corpus / "train.jsonl", corpus / "eval.jsonl"]
         missing = [str(f) for f in files if not f.is_file()]
@@ -91,12 +93,12 @@ class TokenData:
         key = hashlib.sha1(tokenizer.to_str().encode())
         for f in files:
             key.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
-        key.update(f"seed={seed}".encode())
+        key.update(f"seed={seed}".encode() + (b" eval_only" if eval_only else b""))
         where = Path(cache) / key.hexdigest()[:16]
         if (where / "eval_starts.npy").is_file():
             load = lambda n: np.load(where / f"{n}.npy", allow_pickle=False)  # noqa: E731
             return cls(load("train"), load("eval"), load("eval_starts"))
-        docs = _read_texts(files[0]) + (_read_texts(chat) if chat.is_file() else [])
+        docs = [] if eval_only else _read_texts(files[0]) + (_read_texts(chat) if chat.is_file() else [])
         random.Random(seed).shuffle(docs)
         log(f"tokenizing {len(docs):,} train documents")
         train, _ = _encode([d["text"] for d in docs], tokenizer, bos, eos)

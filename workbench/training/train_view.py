@@ -2,8 +2,9 @@
 
 The plain `Verifier` is the reference; this is a transform beside it, as the fast inference paths
 are. It shares every weight with the reference model except the routed experts, which it stacks
-into one [E, ...] tensor per projection so that all experts run as three batched matmuls instead
-of a Python loop of small ones. `write_back` copies the stacked experts into the reference's
+into one [E, ...] tensor per projection so that the tokens of all experts are gathered once,
+sorted by expert, and each expert runs on a contiguous slice (the reference loops over experts
+with a gather and a scatter each). `write_back` copies the stacked experts into the reference's
 `mlp.experts.{e}` modules, so what is saved is the reference layout that every loader reads.
 
 What differs from the reference forward, and why:
@@ -11,7 +12,9 @@ What differs from the reference forward, and why:
   mask forces the math path, which materialises [B, N, T, T] scores and is several times slower);
 - matmuls run in bf16 where `bf16=True` (the CPU's matrix units, AMX or AVX512-BF16, run bf16
   5-15x faster than fp32 here), with norms' statistics, routing, softmax and the loss in fp32;
-- tokens are grouped by expert with one sort, padded to the largest group, and run as `bmm`.
+- tokens are grouped by expert with one sort and one gather, and scattered back with one `index_add_`;
+- the loss is a chunked linear + cross-entropy (`LinearCrossEntropy`): fp32 softmax per chunk, the
+  [tokens, vocab] logits never stored, their gradient formed in place of a second pass.
 The forward equals the reference's to bf16 rounding (tested in tests/test_train_view.py).
 """
 from __future__ import annotations
@@ -37,24 +40,20 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H], routing weights and expert ids [N, k] -> the weighted sum of each token's experts [N, H]."""
-        n, k = ids.shape
-        n_experts = self.w_gate.shape[0]
+        k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        expert = flat[order]
-        counts = torch.bincount(flat, minlength=n_experts)
-        starts = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(n * k, device=x.device) - starts[expert]  # place within its expert's group
         token = order // k
-        # A host sync per layer for the padded width: cheap next to the matmuls it sizes.
-        width = int(counts.max())
-        grouped = x.new_zeros(n_experts, width, x.shape[1])
-        grouped[expert, rank] = x[token]
-        dt = x.dtype
-        h = F.silu(torch.bmm(grouped, self.w_gate.to(dt).transpose(1, 2))) * torch.bmm(
-            grouped, self.w_up.to(dt).transpose(1, 2))
-        y = torch.bmm(h, self.w_down.to(dt).transpose(1, 2))[expert, rank]
-        y = y * weights.reshape(-1)[order, None].to(dt)
+        grouped = x[token]  # one gather; each expert's tokens are then a contiguous slice
+        counts = torch.bincount(flat, minlength=self.w_gate.shape[0]).tolist()
+        dt, outs, at = x.dtype, [], 0
+        for e, n in enumerate(counts):  # slices, not padded groups: no work on padding
+            if n:
+                seg = grouped[at:at + n]
+                h = F.silu(F.linear(seg, self.w_gate[e].to(dt))) * F.linear(seg, self.w_up[e].to(dt))
+                outs.append(F.linear(h, self.w_down[e].to(dt)))
+                at += n
+        y = torch.cat(outs) * weights.reshape(-1)[order, None].to(dt)
         return torch.zeros_like(x).index_add_(0, token, y)
 
     @torch.no_grad()
@@ -147,8 +146,8 @@ class TrainVerifier(nn.Module):
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (fp32) over batch [B, T+1]."""
-        logits = self(batch[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        h = self.hidden(batch[:, :-1]).flatten(0, 1)
+        return LinearCrossEntropy.apply(h, self.model.lm_head.weight, batch[:, 1:].flatten())
 
     @torch.no_grad()
     def write_back(self) -> Verifier:
@@ -157,3 +156,39 @@ class TrainVerifier(nn.Module):
             if str(i) in self.experts:
                 self.experts[str(i)].write_back(layer.mlp)
         return self.model
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """mean_i CE(h_i W^T, target_i), with the logits made and dropped chunk by chunk.
+
+    The plain way stores [tokens, vocab] logits, upcasts them, takes log_softmax and its backward:
+    five passes over the largest tensor of the step (8192 x 8192 here). Here each chunk's logits
+    are formed once, softmaxed in fp32, turned into their gradient (softmax - onehot) / N at once,
+    and used for both gradients; only h's and W's gradients are kept.
+    """
+
+    CHUNK = 1024
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        w = weight.to(h.dtype)
+        n = h.shape[0]
+        total = torch.zeros((), dtype=torch.float32)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32)
+        for s in range(0, n, LinearCrossEntropy.CHUNK):
+            hs, ts = h[s:s + LinearCrossEntropy.CHUNK], target[s:s + LinearCrossEntropy.CHUNK]
+            logp = torch.log_softmax(F.linear(hs, w), dim=-1, dtype=torch.float32)
+            total -= logp.gather(1, ts[:, None]).sum()
+            g = logp.exp_()
+            g.scatter_add_(1, ts[:, None], torch.full((len(ts), 1), -1.0))
+            g = (g / n).to(h.dtype)
+            grad_h[s:s + LinearCrossEntropy.CHUNK] = g @ w
+            grad_w += (g.t() @ hs).float()
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None
