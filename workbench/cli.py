@@ -155,13 +155,18 @@ def cmd_bench(args) -> int:
 
 def _bench_text(r: dict) -> str:
     m = r["machine"]
-    lines = [f"k={r['k']} dtype={r['dtype']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']} "
+    lines = [_loops_line(r), *(f"! {w}" for w in r["warnings"]),
+             f"k={r['k']} dtype={r['dtype']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']} "
              f"threads={r['threads']} compiled={r['compiled']} fused={r['fused']} (warm-up {r['warmup_s']:.1f} s, untimed"
              + (", graphs: {hits} from inductor's cache, {misses} compiled, {bypasses} not cacheable".format(**r["graph_cache"])
                 if r["compiled"] else "") + ")",
              f"on {m['cpu'] or 'an unknown CPU'} ({m['cores']} cores, {m['torch_cpu_capability']}, "
              f"fast bf16: {m['fast_bf16']}), torch {m['torch']}; models: {r['fast_path']}",
-             f"accept length {r['accept_length']:.3f}  per-position {[round(x, 3) for x in r['per_position_acceptance']]}",
+             f"accept length {r['accept_length']:.3f} pooled, {_opt(r['accept_length_per_request'])} per request; "
+             "by decode position " + ", ".join(f"{b} {_opt(v['accept_length'])}"
+                                               for b, v in r["accept_length_by_position"].items()),
+             f"per-position acceptance {[round(x, 3) for x in r['per_position_acceptance']]} (falls with k by "
+             "arithmetic alone: never rank k by it)",
              f"speculative {r['spec_tokens_per_s']:.1f} tok/s  autoregressive {r['ar_tokens_per_s']:.1f} tok/s  "
              f"speedup {r['speedup']:.2f}x (median per prompt {r['speedup_median']:.2f}x)",
              f"lossless {r['lossless']}  ties {len(r['ties'])}"]
@@ -182,6 +187,17 @@ def _bench_text(r: dict) -> str:
         lines.append(f"peer {name}: {peer.get('tokens_per_s', float('nan')):.1f} tok/s; ours/peer "
                      f"{peer.get('ours_over_peer', float('nan')):.2f}x {peer.get('note', '')}")
     return "\n".join(lines)
+
+
+def _opt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def _loops_line(r: dict) -> str:
+    """The bench's first line: how many continuations loop, and the accept length without them."""
+    return (f"{r['degenerate_prompts']} of {r['num_prompts']} continuations loop (>= 30% of their 6-grams repeat); "
+            f"accept length over the clean ones {_opt(r['accept_length_clean'])} (pooled over all: "
+            f"{r['accept_length']:.3f})")
 
 
 def cmd_sweep(args) -> int:

@@ -13,6 +13,12 @@ The report also says what the speedup is made of (`step_cost`, from the same run
 cost in autoregressive decodes, the tokens it yields, and so what speculation gives once the
 prefills are left out, and at most, were every proposal accepted at that cost. A ratio alone
 cannot tell a weak draft from an expensive step; these can.
+
+Accept lengths come with the loops set apart (`workbench.analysis.degeneracy`): each prompt's
+continuation is flagged `degenerate` by the repeated-6-gram rule, and the report gives the loop
+count, the accept length over the clean continuations, the per-request mean and the accept length
+by decode position beside the pooled figure. It warns about prompts that look random and calls a
+draft below accept length 1.2 dead.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import time
 
 import torch
 
+from workbench.analysis.degeneracy import accept_split, dead_draft_note, detect_loop, random_prompt_warning
 from workbench.analysis.metrics import compute_stats
 from workbench.kernels import cpu
 from workbench.machine import machine
@@ -178,6 +185,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     _, warmup_s = _timed(lambda: (dec.generate(prompts[0], max_new_tokens=32), ar_fn(prompts[0])))
     graph_cache = {k: v - cache_before[k] for k, v in _graph_cache_counts().items()}
     spec_events, spec_tok, spec_t, ar_tok, ar_t, ratios, ties, per_prompt = [], 0, 0.0, 0, 0.0, [], [], []
+    requests = []  # each prompt's speculative steps, for the accept lengths with the loops set apart
     ar_prefill_t = 0.0
     bar = _bar(len(prompts), "bench", progress)
     for i, prompt in enumerate(prompts):
@@ -189,6 +197,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
         spec, ts = runs_s[0][0], statistics.median(t for _, t in runs_s)
         ar, ta = runs_a[0][0], statistics.median(t for _, t in runs_a)
         spec_events += spec.events
+        requests.append(spec.events)
         ar_prefill_t += ar.events[0].verify_time
         spec_tok, spec_t, ar_tok, ar_t = spec_tok + len(spec.tokens), spec_t + ts, ar_tok + len(ar.tokens), ar_t + ta
         ratios.append((len(spec.tokens) / ts) / (len(ar.tokens) / ta))
@@ -196,11 +205,15 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
             d = divergence(pair, ar.prompt_tokens, ar.tokens, spec.tokens, attention)
             ties.append({"prompt_index": i, **(d or {"position": min(len(ar.tokens), len(spec.tokens)),
                                                       "tie": False, "note": "same prefix, different lengths"})})
+        loop = detect_loop(spec.tokens)
         per_prompt.append({"spec_tokens": len(spec.tokens), "ar_tokens": len(ar.tokens), "spec_s": ts, "ar_s": ta,
-                           "accept_length": spec.stats.accept_length, "identical": spec.tokens == ar.tokens})
+                           "accept_length": spec.stats.accept_length, "identical": spec.tokens == ar.tokens,
+                           "degenerate": loop.degenerate, "repeated_6gram_share": loop.share,
+                           "loop_start": loop.loop_start, "token_ids": list(spec.tokens)})
         _tick(bar, f"AL {spec.stats.accept_length:.2f}")
     _close(bar)
     stats = compute_stats(spec_events, elapsed=spec_t, num_tokens=spec_tok)
+    split = accept_split(requests)
     spec_steps = sum(e.kind == "spec" for e in spec_events)
     report = {
         "k": k, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(pair.dtype).replace("torch.", ""),
@@ -209,6 +222,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
         "threads": torch.get_num_threads(), "repeats": repeats,
         "compiled": pair.compiled, "fused": dec.fused is not None, "warmup_s": warmup_s, "graph_cache": graph_cache,
         "verifier": pair.verifier_dir, "draft": pair.draft_dir,
+        **hygiene(pair, prompts, split),
         "accept_length": stats.accept_length, "per_position_acceptance": stats.per_position_acceptance,
         "conditional_acceptance": stats.conditional_acceptance,
         "accepted_length_histogram": stats.accepted_length_histogram,
@@ -228,6 +242,16 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     if peers:
         report["peers"] = peer_bench(pair, prompts[:peer_prompts], max_new_tokens, k, attention, progress)
     return report
+
+
+def hygiene(pair, prompts: list[str], split) -> dict:
+    """The accept lengths with the loops set apart, and the warnings a reader needs before any figure:
+    prompts that look random, a dead draft, figures that rest mostly on looping text."""
+    warnings = [w for w in (random_prompt_warning(prompts, pair.encode), dead_draft_note(split.pooled)) if w]
+    if split.mostly_loops:
+        warnings.append(f"{split.num_degenerate} of {split.num_requests} continuations loop: the pooled accept "
+                        "length rests mostly on looping text; read the clean figure")
+    return {**split.to_dict(), "dead_draft": dead_draft_note(split.pooled) is not None, "warnings": warnings}
 
 
 def peer_bench(pair, prompts: list[str], max_new_tokens: int, k: int, attention: str, progress: bool) -> dict:
