@@ -254,7 +254,8 @@ def cmd_adaptive(args) -> int:
                            args.max_new_tokens, args.repeats)
     rows = {n: {"tokens_per_s": r.tokens_per_s.to_dict(), "speedup": r.speedup.to_dict(),
                 "vs_best_static": r.vs_best_static.to_dict() if r.vs_best_static else None,
-                "accept_length": r.accept_length, "mean_k": r.mean_k, "matches_baseline": r.matches_baseline}
+                "accept_length": r.accept_length, "accept_length_clean": r.accept_length_clean,
+                "degenerate": r.degenerate, "mean_k": r.mean_k, "matches_baseline": r.matches_baseline}
             for n, r in out["results"].items()}
     report = {k: v for k, v in out.items() if k not in ("results", "measurements")}
     report.update(results=rows, costs={f"{b},{k}": c for (b, k), c in costs.points.items()})
@@ -267,6 +268,7 @@ def cmd_adaptive(args) -> int:
             diff = f"{r.vs_best_static.pooled:+.3f} [{r.vs_best_static.lo:+.3f}, {r.vs_best_static.hi:+.3f}]" \
                 if r.vs_best_static else ""
             print(f"{n:>16} {r.tokens_per_s.median:8.0f} tok/s  {r.speedup.pooled:6.3f}x  accept {r.accept_length:5.3f}"
+                  f" (clean {_opt(r.accept_length_clean)}, {r.degenerate}/{out['num_prompts']} loop)"
                   f"  mean k {r.mean_k:4.2f}  {diff}  identical {r.matches_baseline}/{out['num_prompts']}")
     return 0
 
