@@ -62,7 +62,14 @@ def test_frame_and_tuning_page(app):
     assert not app.exception, [e.value for e in app.exception]
     assert len(charts(app)) == 5  # accept length, tokens/s, speedup + model band + bound, per-position, histogram
     assert [m.label for m in app.metric][1:] == ["Its speedup [95%]", "Step-cost model's best k",
-                                                 "Autoregressive (decode)"]
+                                                 "Autoregressive (decode)", "Its accept length"]
+    result = app.session_state["tune_result"][1]
+    best = result.point(0.0, result.recommendation(0.0).k)
+    clean = "n/a" if best.accept_length_clean is None else f"{best.accept_length_clean:.2f}"
+    assert app.metric[4].value == f"{best.accept_length:.2f}"  # the raw figure with its clean one and the loops
+    assert f"clean {clean}, {best.degenerate} of 2 loop" in str(app.metric[4].proto.delta)
+    shown = app.table[0].value
+    assert list(shown["loops"]) == [f"{p.degenerate}/2" for p in result.points] and "clean accept length" in shown
     verdict = [e.value for e in [*app.success, *app.warning]]
     # 2 prompts x 1 repeat rarely separates neighbouring ks: the page says so before any recommendation
     assert any(v.startswith("Recommended k =") or v.startswith("Too few samples to decide:") for v in verdict)
@@ -96,6 +103,13 @@ def test_synthetic_acceptance_and_bad_rates(app):
     app.button(key="tune_run").click().run()
     assert not app.exception, [e.value for e in app.exception]
     assert any("acceptance: synthetic [1.0, 1.0]" in c.value and "not lossless" in c.value for c in app.caption)
+
+
+def test_random_looking_prompts_are_warned_about(app):
+    app.radio(key="tune_source").set_value("Type prompts").run()
+    app.text_area(key="tune_typed").set_value("def fibonacci(n):\n---\nqZ8#vR!x0@Lk$2mW^pT&7yN*cJ(4bH)5gF_9dS+e").run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert any("1 of 2 prompts look random" in w.value for w in app.warning)
 
 
 def test_typed_and_bad_uploaded_prompts(app):
@@ -134,6 +148,8 @@ def test_doctor_page(app):
     assert len(charts(at)) == 1
     probes = at.dataframe[1].value
     assert list(probes["probe"])[0] == "configured" and len(probes) == 6
+    report = at.session_state["doctor_report"][1]
+    assert list(probes["loops"])[0] == f"{report.configured.degenerate}/1" and "clean accept length" in probes
     verdict = [*at.success, *at.error]
     assert len(verdict) == 1 and ("No problems" in verdict[0].value or "Problems found" in verdict[0].value)
     assert at.get("download_button")[0].label == "Download JSON"
@@ -426,6 +442,8 @@ def test_batching_page_sweep(app):
     assert [labels[f"Best k at B = {b}"].value for b in (1, 2)] == [str(best[b]) for b in (1, 2)]
     table = at.dataframe[0].value
     assert list(zip(table["B"], table["k"])) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert list(table["loops"]) == [f"{p.degenerate}/2" for p in result.points] and "clean accept length" in table
+    assert bool(result.rests_on_loops()) == any("mostly looping" in w.value for w in at.warning)
     assert list(table["identical outputs"])[:2] == ["baseline", "2/2"]
     codes = [c.value for c in at.code]
     assert read_schedule(codes[0], 2) == result.schedule() == read_schedule(codes[1], 2)
