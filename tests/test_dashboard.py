@@ -128,12 +128,14 @@ def test_fusion_page(app):
     assert not at.exception, [e.value for e in at.exception]
     assert len(charts(at)) == 4  # shares, block norms, RMS, cosine
     assert [m.label for m in at.metric][0] == "Accept length" and len(at.metric) == 4
+    report = at.session_state["fusion_report"][1]  # the accept length never without its loop verdict
+    assert str(at.metric[0].proto.delta).startswith("loops from token" if report.loop["degenerate"] else "clean ")
     assert list(at.dataframe[0].value["source"])[0].startswith("low (layer ")
     at.multiselect(key="fusion_modes").set_value(["zero"])
     at.number_input(key="fusion_max_new").set_value(4)
     at.button(key="fusion_ablate").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    assert "ablation at k=2" in at.text[0].value and len(charts(at)) == 1  # the inspection was for other settings
+    assert "ablation at k=2" in at.text[0].value and "loop)" in at.text[0].value and len(charts(at)) == 1  # the inspection was for other settings
 
 
 def test_doctor_page(app):
@@ -248,6 +250,7 @@ def test_live_vllm_real_server(app, metrics_server):
     at = live_page(app, metrics_server["url"])
     assert "First sample" in at.info[0].value and not charts(at)
     assert at.metric[0].value == "2.700"  # 1 + 17 / 10 since the server started
+    assert "clean: unknown" in str(at.metric[0].proto.delta)  # counters carry no text: loops cannot be set apart
     metrics_server["body"] = vllm_body(18, 54, 30, [14, 10, 6])
     at.button(key="live_poll").click().run()
     assert not at.exception, [e.value for e in at.exception]

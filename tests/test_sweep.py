@@ -206,6 +206,19 @@ def test_cli_generate_names_its_acceptance_rule(capsys):
     assert main(["generate", "--prompt", "def f(x):", "--k", "2", "--temperature", "0.9", "--acceptor", "block",
                  "--max-new-tokens", "6", "--repetition-penalty", "1.3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["acceptance_rule"] == "block (greedy draft, one-hot q)"
+
+
+def test_cli_generate_gives_the_loop_verdict_beside_the_accept_length(capsys):
+    from workbench.analysis.degeneracy import detect_loop
+
+    assert main(["generate", "--prompt", "def f(x):", "--k", "2", "--max-new-tokens", "40", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    loop = detect_loop(out["tokens"])
+    assert out["loop"] == loop.to_dict()
+    assert out["accept_length_clean"] == (None if loop.degenerate else out["accept_length"])
+    assert main(["generate", "--prompt", "def f(x):", "--k", "2", "--max-new-tokens", "40"]) == 0
+    err = capsys.readouterr().err
+    assert (f"loops from token {loop.loop_start}" if loop.degenerate else "no loop") in err
     assert main(["generate", "--prompt", "x", "--presence-penalty", "3"]) == 2
     assert "presence_penalty = 3.0" in capsys.readouterr().err
 

@@ -101,12 +101,18 @@ def cmd_generate(args) -> int:
                              proposer=args.proposer, attention=args.attention, fused=_FUSED[args.fused],
                              acceptor=args.acceptor, draft_sampling=args.draft_sampling, **constraints)
         res = dec.generate(args.prompt, args.max_new_tokens, stop=args.stop, heal=args.heal)
+    from workbench.analysis.degeneracy import detect_loop
+
+    loop = detect_loop(res.tokens)  # a looping answer's accept length says little about the draft
     if args.json:
-        print(json.dumps(res.to_dict()))
+        print(json.dumps({**res.to_dict(), "loop": loop.to_dict(),
+                          "accept_length_clean": None if loop.degenerate else res.stats.accept_length}))
     else:
         print(args.prompt + res.text)
         s = res.stats
-        print(f"\n[{len(res.tokens)} tokens, accept length {s.accept_length:.2f}, {s.tokens_per_s:.1f} tok/s, "
+        clean = (f"clean n/a: it loops from token {loop.loop_start}, {loop.share:.0%} of its 6-grams repeat"
+                 if loop.degenerate else f"clean {s.accept_length:.2f}, no loop")
+        print(f"\n[{len(res.tokens)} tokens, accept length {s.accept_length:.2f} ({clean}), {s.tokens_per_s:.1f} tok/s, "
               f"finish: {res.finish_reason}, acceptance: {res.acceptance_rule}]", file=sys.stderr)
     return 0
 
