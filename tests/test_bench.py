@@ -202,3 +202,9 @@ def test_report_sets_the_loops_apart_and_warns(pair):
     clean_text = "n/a" if r["accept_length_clean"] is None else f"{r['accept_length_clean']:.3f}"
     assert f"accept length over the clean ones {clean_text}" in first
     json.dumps(r)  # --json prints it
+
+
+def test_bench_heals_the_prompts_when_asked(pair):
+    r = run_bench(pair, PROMPTS, k=2, max_new_tokens=8, peers=False, progress=False, heal=True)
+    healed = [wb.SpecDecoder(pair, 2).generate(p, 8, heal=True).tokens for p in PROMPTS]
+    assert r["heal"] and [p["token_ids"] for p in r["per_prompt"]] == healed and r["identical"]

@@ -153,7 +153,7 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     report = run_bench(pair, prompts, k=args.k, max_new_tokens=args.max_new_tokens, attention=args.attention,
                        peers=not args.no_peers, peer_prompts=args.peer_prompts, repeats=args.repeats,
-                       fused=_FUSED[args.fused], components=args.components)
+                       fused=_FUSED[args.fused], components=args.components, heal=args.heal)
     report["prompts_file"] = str(args.prompts)
     print(json.dumps(report) if args.json else _bench_text(report))
     return 0
@@ -407,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafting back to back), N calls each")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch's intra-op threads for both methods (default: torch's own choice)")
+    p.add_argument("--heal", action="store_true",
+                   help="heal each prompt's last token in both methods (as the chat does), for prompts that end "
+                        "mid-token or in whitespace")
     _fused_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_bench)

@@ -171,18 +171,19 @@ def _graph_cache_counts() -> dict[str, int]:
 
 def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, attention: str = "auto",
               peers: bool = True, peer_prompts: int = 8, repeats: int = 1, progress: bool = True,
-              fused: bool | None = None, components: int = 0) -> dict:
+              fused: bool | None = None, components: int = 0, heal: bool = False) -> dict:
     """Every prompt speculatively and autoregressively, alternating which goes first; with
-    `components` > 0, also `step_components` on the first prompt, that many calls of each part."""
+    `components` > 0, also `step_components` on the first prompt, that many calls of each part.
+    `heal` heals each prompt's last token (`workbench.decoding.healing`) in both methods."""
     # long: the timing loop and the report it fills share their locals; split, they would travel as arguments
     import workbench as wb
 
     dec = wb.SpecDecoder(pair, num_speculative_tokens=k, attention=attention, fused=fused)
-    ar_fn = lambda p: wb.generate_autoregressive(pair, p, max_new_tokens, attention=attention)  # noqa: E731
+    ar_fn = lambda p: wb.generate_autoregressive(pair, p, max_new_tokens, attention=attention, heal=heal)  # noqa: E731
     # Warm-up, outside the timing: with a compiled pair this is where every graph compiles
     # (verify and draft steps of 1 and of several tokens both occur within 32 tokens).
     cache_before = _graph_cache_counts()
-    _, warmup_s = _timed(lambda: (dec.generate(prompts[0], max_new_tokens=32), ar_fn(prompts[0])))
+    _, warmup_s = _timed(lambda: (dec.generate(prompts[0], max_new_tokens=32, heal=heal), ar_fn(prompts[0])))
     graph_cache = {k: v - cache_before[k] for k, v in _graph_cache_counts().items()}
     spec_events, spec_tok, spec_t, ar_tok, ar_t, ratios, ties, per_prompt = [], 0, 0.0, 0, 0.0, [], [], []
     requests = []  # each prompt's speculative steps, for the accept lengths with the loops set apart
@@ -191,7 +192,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     for i, prompt in enumerate(prompts):
         runs_s, runs_a = [], []
         for r in range(repeats):
-            order = [("s", lambda: dec.generate(prompt, max_new_tokens)), ("a", lambda: ar_fn(prompt))]
+            order = [("s", lambda: dec.generate(prompt, max_new_tokens, heal=heal)), ("a", lambda: ar_fn(prompt))]
             for tag, fn in (order if (i + r) % 2 == 0 else order[::-1]):
                 (runs_s if tag == "s" else runs_a).append(_timed(fn))
         spec, ts = runs_s[0][0], statistics.median(t for _, t in runs_s)
@@ -218,7 +219,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     report = {
         "k": k, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(pair.dtype).replace("torch.", ""),
         "device": str(pair.device), "machine": machine(), "fast_path": dec.pair.status(), "cpu_kernels": cpu.status(),
-        "attention": dec.attention,
+        "attention": dec.attention, "heal": heal,
         "threads": torch.get_num_threads(), "repeats": repeats,
         "compiled": pair.compiled, "fused": dec.fused is not None, "warmup_s": warmup_s, "graph_cache": graph_cache,
         "verifier": pair.verifier_dir, "draft": pair.draft_dir,
