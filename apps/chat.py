@@ -159,7 +159,7 @@ TOKEN_CSS = _STATUS_CSS + """
 .wb-stats td, .wb-stats th { padding: 2px 8px; border-bottom: 1px solid #e5e5e5; text-align: right; }
 .wb-stats td:first-child, .wb-stats th:first-child { text-align: left; }
 .tok[data-loop] { text-decoration: underline wavy #b8860b; text-underline-offset: 3px; }
-.tok[data-loop="start"]::before { content: "\\27F2  loop"; font-size: 11px; margin-right: 3px; padding: 0 4px;
+.tok[data-loop="start"]::before { content: "⟲ loop"; font-size: 11px; margin-right: 3px; padding: 0 4px;
   border-radius: 3px; background: #b8860b; color: #fff; text-decoration: none; display: inline-block; }
 """
 LOOP_NOTE = "the answer loops from here: this repeats earlier text"  # the loop-start token's title

@@ -421,6 +421,11 @@ def test_browser_streams_colours_and_matches_generate(app_url, pair):
             assert "".join(t for s, _, t in got if s != "rejected") == ref.text
             want_rejected = sum(e.k - e.num_accepted for e in ref.events if e.correction is not None) if i else 0
             assert sum(s == "rejected" for s, _, _ in got) == want_rejected
+            # a looping answer is marked where the loop starts (a drawn marker, no text); the stats say it
+            marks = page.locator('#tokens span[data-loop="start"]').evaluate_all(
+                "els => els.map(e => getComputedStyle(e, '::before').content)")
+            assert len(marks) == int(detect_loop(ref.tokens).degenerate) and all("loop" in m for m in marks)
+            assert "(clean " in page.locator("#stats").text_content()
         assert page.locator("#race-verdict").text_content() == "identical"  # greedy race: same text both ways
         assert len(statuses) >= 2 and statuses <= {"accepted", "corrected", "bonus", "rejected"}
         page.wait_for_function("document.querySelectorAll('.toast-close').length === 0")  # the warning fades
