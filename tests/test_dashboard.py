@@ -135,7 +135,8 @@ def test_fusion_page(app):
     at.number_input(key="fusion_max_new").set_value(4)
     at.button(key="fusion_ablate").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    assert "ablation at k=2" in at.text[0].value and "loop)" in at.text[0].value and len(charts(at)) == 1  # the inspection was for other settings
+    assert "ablation at k=2" in at.text[0].value and "loop)" in at.text[0].value
+    assert len(charts(at)) == 1  # the inspection was for other settings
 
 
 def test_doctor_page(app):
@@ -362,9 +363,12 @@ def test_browser_tuning_page_matches_the_cli(tmp_path):
             page.screenshot(path=str(shot))
             browser.close()
         assert [r[0] for r in rows] == ["0", "1", "2", "3", "4"]  # k = 0 is the autoregressive baseline
-        for r in rows:
-            k, accept, speedup = int(r[0]), r[1], _interval(r[3])
+        for r in rows:  # k, accept length, its clean figure, loops, tokens/s, speedup, ...
+            k, accept, clean, loops, speedup = int(r[0]), r[1], r[2], r[3], _interval(r[5])
             assert accept == f"{want[k]['accept_length']:.3f}"  # greedy: the same steps, exactly
+            want_clean = want[k]["accept_length_clean"]
+            assert clean == ("n/a" if want_clean is None else f"{want_clean:.3f}")
+            assert loops == f"{want[k]['degenerate']}/2"  # each figure beside its loop count, as the CLI has it
             cli_s = want[k]["speedup"]
             assert speedup[1] <= cli_s["hi"] * 1.001 and cli_s["lo"] <= speedup[2] * 1.001, (k, speedup, cli_s)
         assert verdict.startswith("Recommended k =") or verdict.startswith("Too few samples to decide:")

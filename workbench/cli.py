@@ -112,8 +112,9 @@ def cmd_generate(args) -> int:
         s = res.stats
         clean = (f"clean n/a: it loops from token {loop.loop_start}, {loop.share:.0%} of its 6-grams repeat"
                  if loop.degenerate else f"clean {s.accept_length:.2f}, no loop")
-        print(f"\n[{len(res.tokens)} tokens, accept length {s.accept_length:.2f} ({clean}), {s.tokens_per_s:.1f} tok/s, "
-              f"finish: {res.finish_reason}, acceptance: {res.acceptance_rule}]", file=sys.stderr)
+        print(f"\n[{len(res.tokens)} tokens, accept length {s.accept_length:.2f} ({clean}), "
+              f"{s.tokens_per_s:.1f} tok/s, finish: {res.finish_reason}, acceptance: {res.acceptance_rule}]",
+              file=sys.stderr)
     return 0
 
 

@@ -95,7 +95,8 @@ m5.metric("Its accept length", f"{best.accept_length:.2f}",
                "earlier one). A loop is the easiest text a draft ever sees.")
 
 st.table(pd.DataFrame([{"k": p.k, "accept length": f"{p.accept_length:.3f}",
-                        "clean accept length": "n/a" if p.accept_length_clean is None else f"{p.accept_length_clean:.3f}",
+                        "clean accept length": "n/a" if p.accept_length_clean is None
+                        else f"{p.accept_length_clean:.3f}",
                         "loops": f"{p.degenerate}/{result.num_prompts}",
                         "tokens/s [95%]": str(p.tokens_per_s), "speedup [95%]": str(p.speedup),
                         "model": "" if p.model_speedup is None else f"{p.model_speedup:.2f}",

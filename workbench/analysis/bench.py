@@ -248,11 +248,12 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
 def hygiene(pair, prompts: list[str], split) -> dict:
     """The accept lengths with the loops set apart, and the warnings a reader needs before any figure:
     prompts that look random, a dead draft, figures that rest mostly on looping text."""
-    warnings = [w for w in (random_prompt_warning(prompts, pair.encode), dead_draft_note(split.pooled)) if w]
+    dead = dead_draft_note(split.pooled)
+    warnings = [w for w in (random_prompt_warning(prompts, pair.encode), dead) if w]
     if split.mostly_loops:
         warnings.append(f"{split.num_degenerate} of {split.num_requests} continuations loop: the pooled accept "
                         "length rests mostly on looping text; read the clean figure")
-    return {**split.to_dict(), "dead_draft": dead_draft_note(split.pooled) is not None, "warnings": warnings}
+    return {**split.to_dict(), "dead_draft": dead is not None, "warnings": warnings}
 
 
 def peer_bench(pair, prompts: list[str], max_new_tokens: int, k: int, attention: str, progress: bool) -> dict:

@@ -2,7 +2,8 @@
 
 A loop is the easiest text a draft will ever see (the draft has just watched the verifier write
 the same tokens), so an accept length measured on looping continuations says little about the
-draft on real text. Everything here works on token ids, so a count agrees with any tokenizer.
+draft on real text. Everything here works on the generated token ids, never on decoded text, so
+a count does not depend on how the text is detokenised or normalised.
 
 The rule (`detect_loop`). Over the n generated token ids of one continuation, form its n - 5
 6-grams (6 consecutive ids, each start position 0..n-6). A 6-gram *repeats* when the same six
@@ -13,7 +14,7 @@ degenerate. (In real code only about 2% of 128-token windows reach 0.3, issue 41
 Where the loop starts (`Degeneracy.loop_start`, only for a degenerate continuation): the
 smallest start i whose 6-gram repeats and from which at least half of the 6-grams (i included)
 repeat: from there on, the text is mostly a copy of itself. The token at i is the first token of
-the first copy, so a reader sees the original once and the repetition from i on. When no such i
+the first repetition, so a reader sees the original once and the copies from i on. When no such i
 exists (the continuation repeated itself in the middle and then moved on), it is the start of the
 longest run of consecutive repeated 6-grams (the first one on a tie).
 
