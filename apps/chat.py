@@ -31,6 +31,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 import workbench as wb
+from workbench.analysis.degeneracy import accept_split, detect_loop, emitted_tokens
 from workbench.analysis.metrics import compute_stats
 from workbench.analysis.protocol import Arm, Measurements, measure
 
@@ -157,7 +158,11 @@ TOKEN_CSS = _STATUS_CSS + """
 .wb-stats table { border-collapse: collapse; font-size: 13px; width: 100%; }
 .wb-stats td, .wb-stats th { padding: 2px 8px; border-bottom: 1px solid #e5e5e5; text-align: right; }
 .wb-stats td:first-child, .wb-stats th:first-child { text-align: left; }
+.tok[data-loop] { text-decoration: underline wavy #b8860b; text-underline-offset: 3px; }
+.tok[data-loop="start"]::before { content: "⟲ loop"; font-size: 11px; margin-right: 3px; padding: 0 4px;
+  border-radius: 3px; background: #b8860b; color: #fff; text-decoration: none; display: inline-block; }
 """
+LOOP_NOTE = "the answer loops from here: this repeats earlier text"  # the loop-start token's title
 LEGEND_HTML = ('<div class="wb-legend">' + "".join(f'<span data-legend="{s}">{STATUS_LABEL[s]}</span>' for s in COLOURS)
                + " (prefill = bonus) · hover a token for its step, position, q and p</div>")
 
@@ -166,33 +171,50 @@ def _fmt_p(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3g}"
 
 
-def _span(text: str, status: str, step: int, pos: int, q: float | None, p: float | None, how: str = "") -> str:
+def _span(text: str, status: str, step: int, pos: int, q: float | None, p: float | None, how: str = "",
+          loop: str | None = None) -> str:
     title = (f"step {step} · position {pos} in the step · {how or STATUS_LABEL[status]} · "
-             f"q (draft) = {_fmt_p(q)} · p (verifier) = {_fmt_p(p)}")
-    return (f'<span class="tok" data-status="{status}" data-step="{step}" data-pos="{pos}" '
+             f"q (draft) = {_fmt_p(q)} · p (verifier) = {_fmt_p(p)}" + (f" · {LOOP_NOTE}" if loop == "start" else ""))
+    mark = f' data-loop="{loop}"' if loop else ""
+    return (f'<span class="tok" data-status="{status}" data-step="{step}" data-pos="{pos}"{mark} '
             f'title="{html.escape(title)}">{html.escape(text)}</span>')
 
 
-def _step_spans(ev: wb.StepEvent, show_rejected: bool) -> list[str]:
-    """One step's spans in reading order: accepted proposals, rejected ones, then the verifier's token."""
+def _loop_mark(index: int, start: int | None) -> str | None:
+    """An emitted token's place in a loop: "start" where the loop starts, "in" after it, None before or without."""
+    if start is None or index < start:
+        return None
+    return "start" if index == start else "in"
+
+
+def _step_spans(ev: wb.StepEvent, show_rejected: bool, first: int = 0, loop_start: int | None = None) -> list[str]:
+    """One step's spans in reading order: accepted proposals, rejected ones, then the verifier's token.
+    `first` is the index of the step's first emitted token in the answer, `loop_start` where the answer loops."""
     if ev.kind != "spec":  # prefill, or an autoregressive decode step: one verifier token, no draft
         how = "" if ev.kind == "prefill" else "verifier token (autoregressive, no draft)"
-        return [_span(t, s, ev.step, 1, None, p, how)
-                for t, s, p in zip(ev.emitted_text, ev.emitted_status, ev.emitted_verifier_probs)]
+        return [_span(t, s, ev.step, 1, None, p, how, _loop_mark(first + j, loop_start))
+                for j, (t, s, p) in enumerate(zip(ev.emitted_text, ev.emitted_status, ev.emitted_verifier_probs))]
     spans = []
     for j, (text, status, p) in enumerate(zip(ev.emitted_text, ev.emitted_status, ev.emitted_verifier_probs)):
         if j == ev.num_accepted and show_rejected:
             spans += [_span(ev.proposed_text[i], "rejected", ev.step, i + 1, ev.draft_probs[i], ev.verifier_probs[i])
                       for i in range(ev.num_accepted, ev.k)]
         q = ev.draft_probs[j] if status == "accepted" else None
-        spans.append(_span(text, status, ev.step, j + 1, q, p))
+        spans.append(_span(text, status, ev.step, j + 1, q, p, loop=_loop_mark(first + j, loop_start)))
     return spans
 
 
 def render_tokens(events: list[wb.StepEvent], show_rejected: bool = False) -> str:
     """Every emitted token as an HTML-escaped `<span data-status data-step>` (and, when asked,
-    each step's rejected proposals proposed[num_accepted:] before its correction)."""
-    return "".join(s for ev in events for s in _step_spans(ev, show_rejected))
+    each step's rejected proposals proposed[num_accepted:] before its correction). When the answer
+    loops (`workbench.analysis.degeneracy`), the token where the loop starts carries data-loop="start"
+    (drawn with a marker) and every later one data-loop="in"."""
+    start = detect_loop(emitted_tokens(events)).loop_start
+    spans, first = [], 0
+    for ev in events:
+        spans += _step_spans(ev, show_rejected, first, start)
+        first += len(ev.emitted)
+    return "".join(spans)
 
 
 def render_answer(prompt: str, events: list[wb.StepEvent], show_rejected: bool = False) -> str:
@@ -343,21 +365,28 @@ def race_html(answer: Answer | None) -> str:
 
 def stats_html(conv: Conversation, answer: Answer | None) -> str:
     """Counters and rates for the last answer and the whole conversation, side by side."""
-    def column(spec: list[wb.StepEvent], ar: list[wb.StepEvent]) -> list[str]:
+    def column(answers: list[list[wb.StepEvent]], ar: list[wb.StepEvent]) -> list[str]:
+        spec = [e for events in answers for e in events]
         s, t_spec, t_ar = compute_stats(spec), _tps(spec), _tps(ar)
         rate = s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0
-        return [f"{s.accept_length:.2f}", f"{rate:.1%}", str(s.num_drafts), str(s.num_tokens),
+        return [accept_text(answers), f"{rate:.1%}", str(s.num_drafts), str(s.num_tokens),
                 "—" if t_spec is None else f"{t_spec:.1f}", "—" if t_ar is None else f"{t_ar:.1f}",
                 f"{t_spec / t_ar:.2f}×" if t_spec and t_ar else "—"]
 
-    last = column(*((answer.events, answer.baseline or []) if answer and answer.settings.use_draft else
+    last = column(*(([answer.events], answer.baseline or []) if answer and answer.settings.use_draft else
                     ([], answer.events if answer else [])))
-    whole = column(conv.spec_events(), conv.autoregressive_events())
+    whole = column([a.events for a in conv.answers if a.settings.use_draft], conv.autoregressive_events())
     names = ["accept length (bonus incl.)", "draft acceptance rate", "speculative steps", "tokens",
              "tokens/s speculative", "tokens/s autoregressive", "speedup"]
     rows = "".join(f"<tr><td>{n}</td><td>{a}</td><td>{b}</td></tr>" for n, a, b in zip(names, last, whole))
     return ('<div class="wb-stats"><table><tr><th></th><th>last answer</th><th>conversation</th></tr>'
             f"{rows}</table><small>tokens/s count model time only (draft + verify + prefill).</small></div>")
+
+
+def accept_text(answers: list[list[wb.StepEvent]]) -> str:
+    """"2.91 (clean 2.40, 1 of 3 loop)": the raw accept length never without the clean one and the loop count."""
+    split = accept_split(answers)
+    return f"{split.pooled:.2f} ({split.clean_text()})"
 
 
 def api_result(pair: wb.ModelPair, prompt: str, s: Settings) -> wb.GenerationResult:
@@ -477,8 +506,9 @@ def build_demo(pair_args: PairSpec = PairSpec(), defaults: Settings = Settings()
         def generate(prompt: str, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                      max_new_tokens: int = 64, seed: int = 0, use_draft: bool = True,
                      heal: bool = True, acceptor: str = "auto") -> tuple[str, dict]:
-            """Continue `prompt`; returns (text, {finish_reason, num_tokens, k, acceptance_rule, stats, batch_sizes:
-            the requests in each of its steps' forwards}). k and
+            """Continue `prompt`; returns (text, {finish_reason, num_tokens, k, acceptance_rule, stats, loop (the
+            repeated-6-gram rule's verdict and where the loop starts), accept_length_clean (None when the answer
+            loops), batch_sizes: the requests in each of its steps' forwards}). k and
             acceptor ("auto", "rejection", "block") are ignored without the draft. The prompt is formatted as
             in the chat (plain text when there is no chat template) and, as there, healed unless `heal` is False."""
             try:
@@ -486,8 +516,11 @@ def build_demo(pair_args: PairSpec = PairSpec(), defaults: Settings = Settings()
                 res = api_result(get_pair(pair_args), prompt, s)
             except ValueError as e:
                 raise gr.Error(str(e)) from e
+            loop = detect_loop(res.tokens)
             return res.text, {"finish_reason": res.finish_reason, "num_tokens": len(res.tokens), "k": res.k,
                               "acceptance_rule": res.acceptance_rule, "stats": res.stats.to_dict(),
+                              "loop": loop.to_dict(),  # the accept length of a looping answer is not the draft's
+                              "accept_length_clean": None if loop.degenerate else res.stats.accept_length,
                               "batch_sizes": [e.batch_size for e in res.events[1:]]}
 
         hidden = dict(api_visibility="undocumented")  # UI events; the public API is /generate

@@ -31,6 +31,10 @@ def test_every_batch_size_and_k_is_measured_against_its_own_baseline(sweep, pair
     for p in sweep.points:
         assert p.tokens_per_s.median > 0 and p.per_request_tokens_per_s > 0 and p.step_ms > 0
         assert 1 <= p.occupancy <= p.batch_size
+        # every continuation judged by the loop rule; without loops the clean figure is the pooled one
+        assert p.num_requests == 4 and 0 <= p.degenerate <= 4 and p.row()["degenerate"] == p.degenerate
+        if p.degenerate == 0:
+            assert p.accept_length_clean == pytest.approx(p.accept_length)
         if p.k:
             assert p.matches_baseline == 4  # greedy: every request's tokens equal the batched baseline's
             assert 1 < p.accept_length <= p.k + 1 and p.error is None and p.cost > 0
@@ -72,6 +76,17 @@ def test_crossover_best_k_and_schedule_follow_the_measurement():
     assert _result({(1, 2): 1.5, (8, 2): 1.2}).crossover()["overall"] is None  # still pays at the largest B
 
 
+def test_a_best_k_measured_on_loops_is_called_out():
+    r = _result({(1, 1): 1.3, (1, 3): 1.6, (2, 1): 1.2, (2, 3): 1.1})
+    r.point(1, 3).degenerate, r.point(1, 3).num_requests = 3, 4  # B = 1's best: 3 of 4 loop
+    r.point(2, 1).degenerate, r.point(2, 1).num_requests = 2, 4  # B = 2's best: half, not most
+    r.point(2, 3).degenerate, r.point(2, 3).num_requests = 4, 4  # loops, but not the best at B = 2
+    assert r.best_k() == {1: 3, 2: 1} and r.rests_on_loops() == [1]
+    assert "CAUTION: at B = [1] the best k was measured on mostly looping continuations" in r.summary()
+    assert r.to_dict()["best_k_rests_on_loops"] == [1]
+    assert "CAUTION" not in _result({(1, 1): 1.3}).summary()
+
+
 def test_bad_sweeps_are_refused(pair):
     with pytest.raises(ValueError, match="batch sizes"):
         run_batch_sweep(pair, PROMPTS, [0, 2], [1])
@@ -89,6 +104,7 @@ def test_adaptive_policies_against_every_static_k(pair, sweep):
     for name, r in out["results"].items():
         assert r.matches_baseline == 4, name  # every policy is lossless
         assert (r.vs_best_static is None) == (name == "autoregressive")
+        assert 0 <= r.degenerate <= 4 and (r.accept_length_clean is None) == (r.degenerate == 4)
     assert out["results"][out["best_static"]].vs_best_static.pooled == 0
 
 

@@ -54,9 +54,10 @@ def test_report_pools_the_runs_it_made(pair):
     flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
     assert m["fast_bf16"] == ("avx512_bf16" in flags or "amx_bf16" in flags)
     assert default_dtype("cpu") == ("bfloat16" if m["fast_bf16"] else "float32") and default_dtype("cuda") == "bfloat16"
-    assert f"({m['cores']} cores, {m['torch_cpu_capability']}, fast bf16: {m['fast_bf16']})" in text.splitlines()[1]
+    machine_line = next(line for line in text.splitlines() if line.startswith("on "))  # after the loops and warnings
+    assert f"({m['cores']} cores, {m['torch_cpu_capability']}, fast bf16: {m['fast_bf16']})" in machine_line
     assert r["cpu_kernels"] == cpu.status() and r["fast_path"] == pair.status()
-    assert f"models: {pair.status()}" in text.splitlines()[1]
+    assert f"models: {pair.status()}" in machine_line
     assert f"a step costs {c['decodes_per_step']:.2f} decodes" in text and f"at most {3 / c['decodes_per_step']:.2f}x" in text
 
 
@@ -169,3 +170,41 @@ def test_cli_bench_runs_on_the_threads_asked(pair, tmp_path, capsys):
     assert main(common + ["--threads", "0"]) == 2
     assert "--threads = 0; expected an integer >= 1" in capsys.readouterr().err
     assert torch.get_num_threads() == before
+
+
+def test_report_sets_the_loops_apart_and_warns(pair):
+    """Each continuation is judged by the loop rule on its own token ids; the clean, per-request and
+    by-position accept lengths are read from the same runs; random prompts and a dead draft are called out."""
+    import random
+
+    from workbench.analysis.degeneracy import detect_loop
+    from workbench.analysis.metrics import compute_stats
+
+    noise = bytes(random.Random(1).randrange(32, 127) for _ in range(120)).decode()
+    prompts = [*PROMPTS, noise]
+    r = run_bench(pair, prompts, k=2, max_new_tokens=40, peers=False, progress=False)
+    runs = [wb.SpecDecoder(pair, 2).generate(p, 40) for p in prompts]
+    assert [p["token_ids"] for p in r["per_prompt"]] == [x.tokens for x in runs]
+    loops = [detect_loop(x.tokens) for x in runs]
+    assert [p["degenerate"] for p in r["per_prompt"]] == [d.degenerate for d in loops]
+    assert r["degenerate_prompts"] == sum(d.degenerate for d in loops)
+    clean = [e for x, d in zip(runs, loops) if not d.degenerate for e in x.events]
+    assert r["accept_length_clean"] == (compute_stats(clean).accept_length if clean else None)
+    assert r["accept_length_per_request"] == pytest.approx(sum(x.stats.accept_length for x in runs) / len(runs))
+    by_pos = r["accept_length_by_position"]
+    assert list(by_pos) == ["0-31", "32-63", "64-127", "128+"] and by_pos["64-127"]["steps"] == 0
+    assert sum(b["steps"] for b in by_pos.values()) == r["spec_steps"]
+    assert any(w.startswith("1 of 3 prompts look random") for w in r["warnings"])  # the noise, not the code
+    assert r["dead_draft"] == (r["accept_length"] < 1.2)  # a random draft: accepted about never
+    assert any("the draft is dead" in w for w in r["warnings"]) == r["dead_draft"]
+    first = _bench_text(r).splitlines()[0]  # the loop count and the clean figure come first
+    assert first.startswith(f"{r['degenerate_prompts']} of 3 continuations loop")
+    clean_text = "n/a" if r["accept_length_clean"] is None else f"{r['accept_length_clean']:.3f}"
+    assert f"accept length over the clean ones {clean_text}" in first
+    json.dumps(r)  # --json prints it
+
+
+def test_bench_heals_the_prompts_when_asked(pair):
+    r = run_bench(pair, PROMPTS, k=2, max_new_tokens=8, peers=False, progress=False, heal=True)
+    healed = [wb.SpecDecoder(pair, 2).generate(p, 8, heal=True).tokens for p in PROMPTS]
+    assert r["heal"] and [p["token_ids"] for p in r["per_prompt"]] == healed and r["identical"]

@@ -19,6 +19,7 @@ pytest.importorskip("gradio")
 pytest.importorskip("plotly")
 
 import workbench as wb  # noqa: E402
+from workbench.analysis.degeneracy import detect_loop  # noqa: E402
 from workbench.analysis.metrics import compute_stats  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,6 +106,49 @@ def test_rejected_spans_only_when_asked():
         ("bonus", "<script>alert(1)</script>"), ("accepted", "  a"), ("rejected", "\n\tb"), ("rejected", "c & d"),
         ("corrected", "\n    x")]
     assert "q (draft) = 0.125" in spans[3][0]["title"] and "p (verifier) = 0.0312" in spans[3][0]["title"]
+
+
+def _steps(tokens: list[int], accepted: int = 2, k: int = 3) -> list[wb.StepEvent]:
+    """A prefill, then spec steps that each accept `accepted` of k proposals and add a correction, over `tokens`."""
+    events = [wb.StepEvent(step=0, kind="prefill", emitted=tokens[:1], emitted_text=[f"<{tokens[0]}>"],
+                           emitted_status=["bonus"], emitted_verifier_probs=[1.0])]
+    at = 1
+    while at < len(tokens):
+        out = tokens[at:at + accepted + 1]
+        status = ["accepted"] * (len(out) - 1) + ["corrected"]
+        events.append(wb.StepEvent(step=len(events), kind="spec", proposed=out[:-1] + [0] * (k - len(out) + 1),
+                                   proposed_text=["?"] * k, draft_probs=[0.5] * k, verifier_probs=[0.5] * k,
+                                   num_accepted=len(out) - 1, emitted=out, emitted_text=[f"<{t}>" for t in out],
+                                   emitted_status=status, emitted_verifier_probs=[0.5] * len(out)))
+        at += len(out)
+    return events
+
+
+LOOPING = list(range(100, 110)) + [20, 21, 22, 23] * 10  # the loop rule: 31 of 45 6-grams repeat, from token 14
+CLEAN = list(range(200, 261))  # a prefill and 30 steps of 2 tokens
+
+
+def test_an_answer_that_loops_is_marked_where_the_loop_starts():
+    spans = _Spans.of(chat.render_tokens(_steps(LOOPING), show_rejected=True)).spans()
+    emitted = [(a, t) for a, t in spans if a["data-status"] != "rejected"]
+    assert [t for _, t in emitted] == [f"<{t}>" for t in LOOPING]  # the marker adds no text
+    marks = [a.get("data-loop") for a, _ in emitted]
+    assert marks == [None] * 14 + ["start"] + ["in"] * 35
+    assert chat.LOOP_NOTE in emitted[14][0]["title"] and chat.LOOP_NOTE not in emitted[13][0]["title"]
+    assert all("data-loop" not in a for a, _ in spans if a["data-status"] == "rejected")
+    assert '.tok[data-loop="start"]::before' in chat.TOKEN_CSS
+    clean = _Spans.of(chat.render_tokens(_steps(CLEAN))).spans()
+    assert all("data-loop" not in a for a, _ in clean)
+
+
+def test_stats_show_the_clean_accept_length_and_the_loops():
+    s = chat.make_settings(3, 0, 1, NEW, 0, True)
+    loop, clean = chat.Answer("a", s, _steps(LOOPING, accepted=3)), chat.Answer("b", s, _steps(CLEAN, accepted=1))
+    conv = chat.Conversation(answers=[clean, loop])
+    pooled = compute_stats(loop.events + clean.events).accept_length
+    row = (f"<td>accept length (bonus incl.)</td><td>{compute_stats(loop.events).accept_length:.2f} "
+           f"(clean n/a, every continuation loops, 1 of 1 loop)</td><td>{pooled:.2f} (clean 2.00, 1 of 2 loop)</td>")
+    assert row in chat.stats_html(conv, loop)
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +283,9 @@ def test_api_matches_the_library(app_url, pair):
         assert text == ref.text and info["k"] == k and info["num_tokens"] == len(ref.tokens)
         assert info["stats"]["num_draft_tokens"] == ref.stats.num_draft_tokens
         assert info["acceptance_rule"] == ref.acceptance_rule
+        loop = detect_loop(ref.tokens)
+        assert info["loop"] == loop.to_dict()
+        assert info["accept_length_clean"] == (None if loop.degenerate else ref.stats.accept_length)
     assert info["acceptance_rule"].startswith("block (greedy draft, one-hot q)")
     from gradio_client.exceptions import AppError
 
@@ -374,6 +421,11 @@ def test_browser_streams_colours_and_matches_generate(app_url, pair):
             assert "".join(t for s, _, t in got if s != "rejected") == ref.text
             want_rejected = sum(e.k - e.num_accepted for e in ref.events if e.correction is not None) if i else 0
             assert sum(s == "rejected" for s, _, _ in got) == want_rejected
+            # a looping answer is marked where the loop starts (a drawn marker, no text); the stats say it
+            marks = page.locator('#tokens span[data-loop="start"]').evaluate_all(
+                "els => els.map(e => getComputedStyle(e, '::before').content)")
+            assert len(marks) == int(detect_loop(ref.tokens).degenerate) and all("loop" in m for m in marks)
+            assert "(clean " in page.locator("#stats").text_content()
         assert page.locator("#race-verdict").text_content() == "identical"  # greedy race: same text both ways
         assert len(statuses) >= 2 and statuses <= {"accepted", "corrected", "bonus", "rejected"}
         page.wait_for_function("document.querySelectorAll('.toast-close').length === 0")  # the warning fades

@@ -62,7 +62,14 @@ def test_frame_and_tuning_page(app):
     assert not app.exception, [e.value for e in app.exception]
     assert len(charts(app)) == 5  # accept length, tokens/s, speedup + model band + bound, per-position, histogram
     assert [m.label for m in app.metric][1:] == ["Its speedup [95%]", "Step-cost model's best k",
-                                                 "Autoregressive (decode)"]
+                                                 "Autoregressive (decode)", "Its accept length"]
+    result = app.session_state["tune_result"][1]
+    best = result.point(0.0, result.recommendation(0.0).k)
+    clean = "n/a" if best.accept_length_clean is None else f"{best.accept_length_clean:.2f}"
+    assert app.metric[4].value == f"{best.accept_length:.2f}"  # the raw figure with its clean one and the loops
+    assert f"clean {clean}, {best.degenerate} of 2 loop" in str(app.metric[4].proto.delta)
+    shown = app.table[0].value
+    assert list(shown["loops"]) == [f"{p.degenerate}/2" for p in result.points] and "clean accept length" in shown
     verdict = [e.value for e in [*app.success, *app.warning]]
     # 2 prompts x 1 repeat rarely separates neighbouring ks: the page says so before any recommendation
     assert any(v.startswith("Recommended k =") or v.startswith("Too few samples to decide:") for v in verdict)
@@ -98,6 +105,13 @@ def test_synthetic_acceptance_and_bad_rates(app):
     assert any("acceptance: synthetic [1.0, 1.0]" in c.value and "not lossless" in c.value for c in app.caption)
 
 
+def test_random_looking_prompts_are_warned_about(app):
+    app.radio(key="tune_source").set_value("Type prompts").run()
+    app.text_area(key="tune_typed").set_value("def fibonacci(n):\n---\nqZ8#vR!x0@Lk$2mW^pT&7yN*cJ(4bH)5gF_9dS+e").run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert any("1 of 2 prompts look random" in w.value for w in app.warning)
+
+
 def test_typed_and_bad_uploaded_prompts(app):
     app.radio(key="tune_source").set_value("Type prompts").run()
     assert not app.exception and app.number_input(key="tune_n").label == "Prompts to use (of 2)"
@@ -114,12 +128,15 @@ def test_fusion_page(app):
     assert not at.exception, [e.value for e in at.exception]
     assert len(charts(at)) == 4  # shares, block norms, RMS, cosine
     assert [m.label for m in at.metric][0] == "Accept length" and len(at.metric) == 4
+    report = at.session_state["fusion_report"][1]  # the accept length never without its loop verdict
+    assert str(at.metric[0].proto.delta).startswith("loops from token" if report.loop["degenerate"] else "clean ")
     assert list(at.dataframe[0].value["source"])[0].startswith("low (layer ")
     at.multiselect(key="fusion_modes").set_value(["zero"])
     at.number_input(key="fusion_max_new").set_value(4)
     at.button(key="fusion_ablate").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    assert "ablation at k=2" in at.text[0].value and len(charts(at)) == 1  # the inspection was for other settings
+    assert "ablation at k=2" in at.text[0].value and "loop)" in at.text[0].value
+    assert len(charts(at)) == 1  # the inspection was for other settings
 
 
 def test_doctor_page(app):
@@ -134,6 +151,8 @@ def test_doctor_page(app):
     assert len(charts(at)) == 1
     probes = at.dataframe[1].value
     assert list(probes["probe"])[0] == "configured" and len(probes) == 6
+    report = at.session_state["doctor_report"][1]
+    assert list(probes["loops"])[0] == f"{report.configured.degenerate}/1" and "clean accept length" in probes
     verdict = [*at.success, *at.error]
     assert len(verdict) == 1 and ("No problems" in verdict[0].value or "Problems found" in verdict[0].value)
     assert at.get("download_button")[0].label == "Download JSON"
@@ -232,6 +251,7 @@ def test_live_vllm_real_server(app, metrics_server):
     at = live_page(app, metrics_server["url"])
     assert "First sample" in at.info[0].value and not charts(at)
     assert at.metric[0].value == "2.700"  # 1 + 17 / 10 since the server started
+    assert "clean: unknown" in str(at.metric[0].proto.delta)  # counters carry no text: loops cannot be set apart
     metrics_server["body"] = vllm_body(18, 54, 30, [14, 10, 6])
     at.button(key="live_poll").click().run()
     assert not at.exception, [e.value for e in at.exception]
@@ -343,9 +363,12 @@ def test_browser_tuning_page_matches_the_cli(tmp_path):
             page.screenshot(path=str(shot))
             browser.close()
         assert [r[0] for r in rows] == ["0", "1", "2", "3", "4"]  # k = 0 is the autoregressive baseline
-        for r in rows:
-            k, accept, speedup = int(r[0]), r[1], _interval(r[3])
+        for r in rows:  # k, accept length, its clean figure, loops, tokens/s, speedup, ...
+            k, accept, clean, loops, speedup = int(r[0]), r[1], r[2], r[3], _interval(r[5])
             assert accept == f"{want[k]['accept_length']:.3f}"  # greedy: the same steps, exactly
+            want_clean = want[k]["accept_length_clean"]
+            assert clean == ("n/a" if want_clean is None else f"{want_clean:.3f}")
+            assert loops == f"{want[k]['degenerate']}/2"  # each figure beside its loop count, as the CLI has it
             cli_s = want[k]["speedup"]
             assert speedup[1] <= cli_s["hi"] * 1.001 and cli_s["lo"] <= speedup[2] * 1.001, (k, speedup, cli_s)
         assert verdict.startswith("Recommended k =") or verdict.startswith("Too few samples to decide:")
@@ -426,6 +449,8 @@ def test_batching_page_sweep(app):
     assert [labels[f"Best k at B = {b}"].value for b in (1, 2)] == [str(best[b]) for b in (1, 2)]
     table = at.dataframe[0].value
     assert list(zip(table["B"], table["k"])) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert list(table["loops"]) == [f"{p.degenerate}/2" for p in result.points] and "clean accept length" in table
+    assert bool(result.rests_on_loops()) == any("mostly looping" in w.value for w in at.warning)
     assert list(table["identical outputs"])[:2] == ["baseline", "2/2"]
     codes = [c.value for c in at.code]
     assert read_schedule(codes[0], 2) == result.schedule() == read_schedule(codes[1], 2)

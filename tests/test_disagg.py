@@ -124,6 +124,8 @@ def test_pd_study_and_the_cli(pairs, capsys):
         assert r.identical == r.num_prompts  # greedy: every mode lossless
         assert r.bytes_per_request == r.model_bytes_per_request  # measured bytes = the configs' model
         assert r.accept_length >= 1 and r.decode_tokens_per_s > 0
+        assert 0 <= r.degenerate <= r.num_prompts and (r.accept_length_clean is None) == (r.degenerate == r.num_prompts)
+    assert "clean" in report.summary().splitlines()[1] and "loops" in report.summary().splitlines()[1]
     full, cold = report.result("mla", "long", "full"), report.result("mla", "long", "cold")
     assert cold.bytes_per_request < full.bytes_per_request < report.result("mla", "long", "recompute").bytes_per_request
     assert main(["pd", "--limit", "1", "--max-new-tokens", "6", "--mha-draft", "", "--json"]) == 0

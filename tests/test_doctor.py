@@ -96,7 +96,8 @@ def test_judge_margins_and_noise():
     assert len(flags) == 2 and "'a'" in flags[0]
     # +0.055 on 3.0 clears the absolute margin but not the 2% relative one
     assert not judge(Probe("configured", "", 3.0), [Probe("h", "", 3.055, z=5.0)])
-    assert any("misconfigured" in f for f in judge(Probe("configured", "", MIN_ACCEPT - 0.01), []))
+    assert any("the draft is dead" in f for f in judge(Probe("configured", "", MIN_ACCEPT - 0.01), []))
+    assert MIN_ACCEPT == 1.2
     assert judge(Probe("configured", "", MIN_ACCEPT), []) == []
 
 
@@ -151,12 +152,29 @@ def test_correct_pairing_is_not_flagged(copy_dirs):
     assert state(pair) == before
     assert report.ok and not report.flags
     assert report.configured.accept_length == 3.0  # k + 1: every proposal accepted
+    # the copy pair's verifier repeats the last token forever: its one continuation is a loop
+    assert report.configured.degenerate == 1 and report.configured.accept_length_clean is None
+    assert "3.000 (clean n/a, 1 of 1 loop)" in report.summary()
+    assert next(c for c in report.checks if c.name == "prompts").status == "ok"
     probes = {p.name.split(" [")[0]: p for p in report.probes}
     assert probes["aux ids -1"].accept_length < 1.5 and not probes["aux ids -1"].flagged
     assert probes["aux ids +1"].skipped and "[5]" in probes["aux ids +1"].skipped
     assert probes["verifier embedding"].skipped  # this draft ships no embedding
     json.dumps(report.to_dict())
     assert "OK" in report.summary()
+
+
+def test_random_prompts_are_warned_about(copy_dirs):
+    import random
+
+    pair = wb.load_pair(*copy_dirs)
+    rng = random.Random(3)
+    noise = "".join(chr(rng.randrange(33, 127)) for _ in range(100))
+    report = diagnose(pair, [PROMPTS[0], noise], k=2, max_new_tokens=4)
+    check = next(c for c in report.checks if c.name == "prompts")
+    assert check.status == "warn" and check.detail.startswith("1 of 2 prompts look random")
+    assert "prompt 1" in check.detail
+    assert "[warn] prompts: 1 of 2 prompts look random" in report.summary()
 
 
 def test_shifted_aux_ids_are_flagged(copy_dirs, tmp_path):
@@ -168,7 +186,7 @@ def test_shifted_aux_ids_are_flagged(copy_dirs, tmp_path):
     assert [p.name for p in flagged] == ["aux ids +1 [1, 2, 4]"] and flagged[0].accept_length == 3.0
     assert flagged[0].test == "first proposals" and flagged[0].z > 2
     assert report.configured.accept_length < MIN_ACCEPT
-    assert any("misconfigured" in f for f in report.flags)
+    assert any("the draft is dead" in f for f in report.flags)
     assert "FLAG" in report.summary() and pair.verifier.aux_layer_ids == (0, 1, 3)
 
 

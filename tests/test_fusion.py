@@ -63,6 +63,9 @@ def test_inspect_random_pair(random_pair):
 def test_inspect_copy_pair(copy_pair):
     r = inspect_fusion(copy_pair, PROMPTS[0], max_new_tokens=7, k=2)
     assert r.accept_length == 3.0
+    # the copy pair's verifier repeats the last token: 7 equal tokens, the second 6-gram repeats the first
+    assert r.loop["degenerate"] and r.loop["loop_start"] == 1 and r.accept_length_clean is None
+    assert r.to_dict()["accept_length_clean"] is None
     assert all(s == [0.0, 0.0, 1.0] for s in r.shares)  # fc = [0 | 0 | I]: only the last aux layer counts
     assert r.block_norms[:2] == [0.0, 0.0] and r.block_norms[2] == pytest.approx(64 ** 0.5)
     assert all(c[2] == pytest.approx(1.0, abs=1e-5) for c in r.cosine)  # the fused state *is* h_hi
@@ -85,6 +88,9 @@ def test_ablation_measures_and_restores(copy_pair):
     assert got["zero", 2].accept_length == 1.0 and got["zero", 2].delta == -2.0
     assert got["shuffle", 2].accept_length < 3.0
     assert "zero source 2 (layer 4)" in rep.summary()
+    assert (rep.baseline_clean, rep.baseline_degenerate) == (None, 1)  # the copy pair loops
+    assert "baseline accept length 3.000 (clean n/a, 1 of 1 loop)" in rep.summary()
+    assert got["zero", 0].degenerate == 1 and got["zero", 0].accept_length_clean is None
     json.dumps(rep.to_dict())
 
 

@@ -99,6 +99,40 @@ def test_recommendation_outputs_json_and_summary(sweep):
         res.recommendation(0.5)
 
 
+def test_loops_are_counted_and_the_recommendation_says_it_rests_on_them(sweep):
+    """The copy pair's verifier repeats the last token forever: every continuation loops, so no clean
+    figure exists and the recommendation warns that its evidence is looping text."""
+    res, _ = sweep
+    for p in res.points:
+        assert p.degenerate == 2 and p.accept_length_clean is None and p.split.num_requests == 2
+        assert p.row()["degenerate"] == 2 and p.row()["accept_length_clean"] is None
+    rec = res.recommendation(0.0)
+    assert rec.mostly_loops and "rests mostly on looping text: 2 of 2 continuations loop" in rec.reason
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["recommendations"]["0.0"]["mostly_loops"] and d["points"][2]["per_prompt_degenerate"] == [True, True]
+    assert list(d["points"][2]["accept_length_by_position"]) == ["0-31", "32-63", "64-127", "128+"]
+    header = next(line for line in res.summary().splitlines() if line.lstrip().startswith("k "))
+    assert "clean" in header and "loops" in header and " n/a    2/2 " in res.summary()
+
+
+def test_per_position_rates_never_rank_k(sweep):
+    """Rates fall with k by arithmetic alone; the recommendation reads speedups, so rewriting every
+    point's per-position rates (here: k=3's to 0, the others' to 1) leaves it as it was."""
+    res, _ = sweep
+    before = res.recommendation(0.0)
+    saved = {p.k: (p.stats.per_position_acceptance, p.stats.conditional_acceptance) for p in res.points}
+    try:
+        for p in res.points:
+            rate = 0.0 if p.k == before.k else 1.0
+            p.stats.per_position_acceptance = [rate] * p.k
+            p.stats.conditional_acceptance = [rate] * p.k
+        after = res.recommendation(0.0)
+    finally:
+        for p in res.points:
+            p.stats.per_position_acceptance, p.stats.conditional_acceptance = saved[p.k]
+    assert (after.k, after.tied, after.runner_up) == (before.k, before.tied, before.runner_up)
+
+
 def test_outputs_for_vllm(copy_pair):
     res = run_sweep(copy_pair, PROMPTS, ks=[2], max_new_tokens=8, repeats=1, draft_name="org/draft")
     o = sweep_module._outputs(res, 0.0, 2)
@@ -172,6 +206,19 @@ def test_cli_generate_names_its_acceptance_rule(capsys):
     assert main(["generate", "--prompt", "def f(x):", "--k", "2", "--temperature", "0.9", "--acceptor", "block",
                  "--max-new-tokens", "6", "--repetition-penalty", "1.3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["acceptance_rule"] == "block (greedy draft, one-hot q)"
+
+
+def test_cli_generate_gives_the_loop_verdict_beside_the_accept_length(capsys):
+    from workbench.analysis.degeneracy import detect_loop
+
+    assert main(["generate", "--prompt", "def f(x):", "--k", "2", "--max-new-tokens", "40", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    loop = detect_loop(out["tokens"])
+    assert out["loop"] == loop.to_dict()
+    assert out["accept_length_clean"] == (None if loop.degenerate else out["accept_length"])
+    assert main(["generate", "--prompt", "def f(x):", "--k", "2", "--max-new-tokens", "40"]) == 0
+    err = capsys.readouterr().err
+    assert (f"loops from token {loop.loop_start}" if loop.degenerate else "no loop") in err
     assert main(["generate", "--prompt", "x", "--presence-penalty", "3"]) == 2
     assert "presence_penalty = 3.0" in capsys.readouterr().err
 

@@ -6,6 +6,7 @@
     for ev in dec.stream("def fib(n):", max_new_tokens=64): ...
     wb.BatchDecoder(pair, 3, max_batch_size=8).generate_many(prompts)   # many requests at once
 """
+from workbench.analysis.degeneracy import accept_split, detect_loop
 from workbench.cache import ContextLengthError, KVCache
 from workbench.checkpoint import CheckpointError
 from workbench.config import ConfigError, DraftConfig, VerifierConfig
@@ -25,6 +26,7 @@ __all__ = [
     "Ticket", "CheckpointError", "ConfigError", "ContextLengthError", "DraftConfig", "Eagle3Draft", "EagleProposer",
     "GenerationResult", "GenerationStats", "GreedyAcceptor", "KVCache", "MAX_K", "ModelPair", "NgramProposer",
     "PairingError", "Proposal", "Proposer", "RejectionAcceptor", "RequestError", "SamplingError", "SamplingParams",
-    "SpecDecoder", "StepEvent", "Verifier", "VerifierConfig", "VerifierOutput", "check_pairing",
+    "SpecDecoder", "StepEvent", "Verifier", "VerifierConfig", "VerifierOutput", "accept_split", "check_pairing",
+    "detect_loop",
     "generate_autoregressive", "load_draft", "load_pair", "load_verifier", "probs_from_logits", "save_model",
 ]

@@ -101,13 +101,20 @@ def cmd_generate(args) -> int:
                              proposer=args.proposer, attention=args.attention, fused=_FUSED[args.fused],
                              acceptor=args.acceptor, draft_sampling=args.draft_sampling, **constraints)
         res = dec.generate(args.prompt, args.max_new_tokens, stop=args.stop, heal=args.heal)
+    from workbench.analysis.degeneracy import detect_loop
+
+    loop = detect_loop(res.tokens)  # a looping answer's accept length says little about the draft
     if args.json:
-        print(json.dumps(res.to_dict()))
+        print(json.dumps({**res.to_dict(), "loop": loop.to_dict(),
+                          "accept_length_clean": None if loop.degenerate else res.stats.accept_length}))
     else:
         print(args.prompt + res.text)
         s = res.stats
-        print(f"\n[{len(res.tokens)} tokens, accept length {s.accept_length:.2f}, {s.tokens_per_s:.1f} tok/s, "
-              f"finish: {res.finish_reason}, acceptance: {res.acceptance_rule}]", file=sys.stderr)
+        clean = (f"clean n/a: it loops from token {loop.loop_start}, {loop.share:.0%} of its 6-grams repeat"
+                 if loop.degenerate else f"clean {s.accept_length:.2f}, no loop")
+        print(f"\n[{len(res.tokens)} tokens, accept length {s.accept_length:.2f} ({clean}), "
+              f"{s.tokens_per_s:.1f} tok/s, finish: {res.finish_reason}, acceptance: {res.acceptance_rule}]",
+              file=sys.stderr)
     return 0
 
 
@@ -147,7 +154,7 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     report = run_bench(pair, prompts, k=args.k, max_new_tokens=args.max_new_tokens, attention=args.attention,
                        peers=not args.no_peers, peer_prompts=args.peer_prompts, repeats=args.repeats,
-                       fused=_FUSED[args.fused], components=args.components)
+                       fused=_FUSED[args.fused], components=args.components, heal=args.heal)
     report["prompts_file"] = str(args.prompts)
     print(json.dumps(report) if args.json else _bench_text(report))
     return 0
@@ -155,13 +162,18 @@ def cmd_bench(args) -> int:
 
 def _bench_text(r: dict) -> str:
     m = r["machine"]
-    lines = [f"k={r['k']} dtype={r['dtype']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']} "
+    lines = [_loops_line(r), *(f"! {w}" for w in r["warnings"]),
+             f"k={r['k']} dtype={r['dtype']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']} "
              f"threads={r['threads']} compiled={r['compiled']} fused={r['fused']} (warm-up {r['warmup_s']:.1f} s, untimed"
              + (", graphs: {hits} from inductor's cache, {misses} compiled, {bypasses} not cacheable".format(**r["graph_cache"])
                 if r["compiled"] else "") + ")",
              f"on {m['cpu'] or 'an unknown CPU'} ({m['cores']} cores, {m['torch_cpu_capability']}, "
              f"fast bf16: {m['fast_bf16']}), torch {m['torch']}; models: {r['fast_path']}",
-             f"accept length {r['accept_length']:.3f}  per-position {[round(x, 3) for x in r['per_position_acceptance']]}",
+             f"accept length {r['accept_length']:.3f} pooled, {_opt(r['accept_length_per_request'])} per request; "
+             "by decode position " + ", ".join(f"{b} {_opt(v['accept_length'])}"
+                                               for b, v in r["accept_length_by_position"].items()),
+             f"per-position acceptance {[round(x, 3) for x in r['per_position_acceptance']]} (falls with k by "
+             "arithmetic alone: never rank k by it)",
              f"speculative {r['spec_tokens_per_s']:.1f} tok/s  autoregressive {r['ar_tokens_per_s']:.1f} tok/s  "
              f"speedup {r['speedup']:.2f}x (median per prompt {r['speedup_median']:.2f}x)",
              f"lossless {r['lossless']}  ties {len(r['ties'])}"]
@@ -182,6 +194,17 @@ def _bench_text(r: dict) -> str:
         lines.append(f"peer {name}: {peer.get('tokens_per_s', float('nan')):.1f} tok/s; ours/peer "
                      f"{peer.get('ours_over_peer', float('nan')):.2f}x {peer.get('note', '')}")
     return "\n".join(lines)
+
+
+def _opt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def _loops_line(r: dict) -> str:
+    """The bench's first line: how many continuations loop, and the accept length without them."""
+    return (f"{r['degenerate_prompts']} of {r['num_prompts']} continuations loop (>= 30% of their 6-grams repeat); "
+            f"accept length over the clean ones {_opt(r['accept_length_clean'])} (pooled over all: "
+            f"{r['accept_length']:.3f})")
 
 
 def cmd_sweep(args) -> int:
@@ -238,7 +261,8 @@ def cmd_adaptive(args) -> int:
                            args.max_new_tokens, args.repeats)
     rows = {n: {"tokens_per_s": r.tokens_per_s.to_dict(), "speedup": r.speedup.to_dict(),
                 "vs_best_static": r.vs_best_static.to_dict() if r.vs_best_static else None,
-                "accept_length": r.accept_length, "mean_k": r.mean_k, "matches_baseline": r.matches_baseline}
+                "accept_length": r.accept_length, "accept_length_clean": r.accept_length_clean,
+                "degenerate": r.degenerate, "mean_k": r.mean_k, "matches_baseline": r.matches_baseline}
             for n, r in out["results"].items()}
     report = {k: v for k, v in out.items() if k not in ("results", "measurements")}
     report.update(results=rows, costs={f"{b},{k}": c for (b, k), c in costs.points.items()})
@@ -251,6 +275,7 @@ def cmd_adaptive(args) -> int:
             diff = f"{r.vs_best_static.pooled:+.3f} [{r.vs_best_static.lo:+.3f}, {r.vs_best_static.hi:+.3f}]" \
                 if r.vs_best_static else ""
             print(f"{n:>16} {r.tokens_per_s.median:8.0f} tok/s  {r.speedup.pooled:6.3f}x  accept {r.accept_length:5.3f}"
+                  f" (clean {_opt(r.accept_length_clean)}, {r.degenerate}/{out['num_prompts']} loop)"
                   f"  mean k {r.mean_k:4.2f}  {diff}  identical {r.matches_baseline}/{out['num_prompts']}")
     return 0
 
@@ -382,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafting back to back), N calls each")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch's intra-op threads for both methods (default: torch's own choice)")
+    p.add_argument("--heal", action="store_true",
+                   help="heal each prompt's last token in both methods (as the chat does), for prompts that end "
+                        "mid-token or in whitespace")
     _fused_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_bench)

@@ -72,6 +72,10 @@ st.caption(f"{result.num_prompts} prompts x {result.repeats} repeats, max_new_to
 for p in result.points:
     if p.error:
         st.error(f"B = {p.batch_size}, k = {p.k}: {p.error}")
+if looping := result.rests_on_loops():
+    st.warning(f"At B = {looping} the best k was measured on mostly looping continuations (more than half "
+               "loop: 30% or more of their 6-grams repeat an earlier one): its evidence is looping text, the "
+               "easiest a draft ever sees. Measure on prompts that do not loop before serving with it.")
 cols = st.columns(len(best) + 1)
 cols[0].metric("Crossover", f"B = {cross['overall']}" if cross["overall"] else "none",
                f"speculation stops paying from B = {cross['overall']}" if cross["overall"]
@@ -84,10 +88,12 @@ b.plotly_chart(charts.batch_throughput_fig(result), key="batch_fig_tps")
 MiB = 2**20
 st.dataframe(pd.DataFrame([{
     "B": p.batch_size, "k": p.k, "tok/s [95%]": str(p.tokens_per_s), "per-request tok/s": p.per_request_tokens_per_s,
-    "speedup [95%]": str(p.speedup), "accept length": p.accept_length, "mean rows per step": p.occupancy,
+    "speedup [95%]": str(p.speedup), "accept length": p.accept_length, "clean accept length": p.accept_length_clean,
+    "loops": f"{p.degenerate}/{p.num_requests}", "mean rows per step": p.occupancy,
     "cache MiB": sum(p.cache_bytes.values()) / MiB, "cache MiB (hand)": sum(p.cache_bytes_hand.values()) / MiB,
     "identical outputs": "baseline" if p.k == 0 else f"{p.matches_baseline}/{full(result.num_prompts, p.batch_size)}"}
-    for p in result.points]).round({"per-request tok/s": 1, "accept length": 3, "mean rows per step": 2, "cache MiB": 3,
+    for p in result.points]).round({"per-request tok/s": 1, "accept length": 3, "clean accept length": 3,
+                                     "mean rows per step": 2, "cache MiB": 3,
                                      "cache MiB (hand)": 3}), key="batch_table", hide_index=True)
 
 st.subheader("For vLLM")
@@ -140,7 +146,9 @@ if cmp:
                f"{cmp['best_static']}; the policies decide with this sweep's step costs.")
     st.dataframe(pd.DataFrame([{
         "name": r.name, "tok/s [95%]": str(r.tokens_per_s), "speedup": str(r.speedup),
-        "accept length": round(r.accept_length, 3), "mean k": round(r.mean_k, 2),
+        "accept length": round(r.accept_length, 3),
+        "clean accept length": None if r.accept_length_clean is None else round(r.accept_length_clean, 3),
+        "loops": f"{r.degenerate}/{full(cmp['num_prompts'], cmp['batch_size'])}", "mean k": round(r.mean_k, 2),
         "minus best static [95%]": "" if r.vs_best_static is None else str(r.vs_best_static),
         "identical outputs": f"{r.matches_baseline}/{full(cmp['num_prompts'], cmp['batch_size'])}"}
         for r in cmp["results"].values()]), key="batch_policy_table", hide_index=True)

@@ -29,10 +29,14 @@ def accept_length_fig(result) -> go.Figure:
     fig = go.Figure()
     for t in result.temperatures:
         pts = [p for p in result.points if p.temperature == t and p.k > 0]
-        fig.add_scatter(x=[p.k for p in pts], y=[p.accept_length for p in pts], mode="lines+markers", name=f"T={t}")
+        fig.add_scatter(x=[p.k for p in pts], y=[p.accept_length for p in pts], mode="lines+markers", name=f"T={t}",
+                        hovertext=[f"{p.degenerate} of {result.num_prompts} continuations loop" for p in pts])
+        # the clean figure beside the raw one: loops are the easiest text a draft sees (a gap where all loop)
+        fig.add_scatter(x=[p.k for p in pts], y=[p.accept_length_clean for p in pts], mode="lines+markers",
+                        name=f"T={t}, clean (no loops)", line=dict(dash="dash"))
     fig.add_scatter(x=result.ks, y=[k + 1 for k in result.ks], mode="lines", name="ceiling k+1",
                     line=dict(dash="dot", color="gray"))
-    return _layout(fig, "Accept length (1 + accepted / drafts)", "k", "tokens per verifier step")
+    return _layout(fig, "Accept length (1 + accepted / drafts), all and clean", "k", "tokens per verifier step")
 
 
 def _bars(intervals) -> dict:
@@ -147,7 +151,7 @@ def probes_fig(report) -> go.Figure:
     ran = [p for p in [report.configured, *report.probes] if p.accept_length is not None]
     colors = ["#1f77b4" if p.name == "configured" else ("#d62728" if p.flagged else "#7f7f7f") for p in ran]
     fig = go.Figure(go.Bar(x=[p.name for p in ran], y=[p.accept_length for p in ran], marker_color=colors,
-                           hovertext=[p.description for p in ran]))
+                           hovertext=[f"{p.description} ({p.loops_text(report.num_prompts)})" for p in ran]))
     return _layout(fig, f"Greedy accept length, configured vs alternatives (k={report.k})", "", "accept length")
 
 

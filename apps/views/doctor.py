@@ -29,7 +29,9 @@ st.caption(f"Greedy accept length of the configured pairing and of each alternat
            f"pre/post-norm feedback, own vs verifier embedding). An alternative is flagged when it beats the "
            f"configured one by more than {MARGIN_ABS} and {MARGIN_REL:.0%} *and* a paired test over the same "
            f"positions gives z > {NOISE_Z:g} (first proposals at every position of prompts and output, "
-           f"teacher-forced). A configured accept length below {MIN_ACCEPT} is flagged as misconfigured.")
+           f"teacher-forced). A configured accept length below {MIN_ACCEPT} means the draft is dead. Each accept "
+           "length comes with the one over the continuations that do not loop (fewer than 30% of their 6-grams "
+           "repeat an earlier one) and the loop count: a loop is the easiest text a draft ever sees.")
 prompts = pick_prompts("doctor")
 c1, c2 = st.columns(2)
 k = c1.number_input("k", 1, 8, 3, key="doctor_k")
@@ -44,13 +46,20 @@ key, report = st.session_state.get("doctor_report", (None, None))
 if report is None or key != st.session_state["pair_key"]:
     st.stop()
 
+for c in report.checks:
+    if c.name == "prompts" and c.status == "warn":
+        st.warning(c.detail)
+conf = report.configured
 if report.ok:
-    st.success(f"No problems found: configured accept length {report.configured.accept_length:.3f} and no "
-               "alternative does clearly better.")
+    st.success(f"No problems found: configured accept length {conf.accept_length:.3f} "
+               f"({conf.loops_text(report.num_prompts)}) and no alternative does clearly better.")
 else:
     st.error("Problems found:\n\n" + "\n".join(f"- {f}" for f in report.flags))
 st.plotly_chart(charts.probes_fig(report), key="doctor_fig_probes")
-st.dataframe(pd.DataFrame([{"probe": p.name, "accept length": p.accept_length, "delta": p.delta,
+st.dataframe(pd.DataFrame([{"probe": p.name, "accept length": p.accept_length,
+                            "clean accept length": p.accept_length_clean,
+                            "loops": "" if p.accept_length is None else f"{p.degenerate}/{report.num_prompts}",
+                            "delta": p.delta,
                             "first proposals": p.first_proposal_rate, "z": p.z, "paired on": p.test,
                             "flagged": p.flagged, "skipped": p.skipped or "", "what it tests": p.description}
                            for p in [report.configured, *report.probes]]), key="doctor_probes", hide_index=True)

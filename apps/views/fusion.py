@@ -31,7 +31,10 @@ stored_key, report = st.session_state.get("fusion_report", (None, None))
 if report is not None and stored_key == key:
     names = [charts.source_label(s, layer) for s, layer in enumerate(report.aux_layer_ids)]
     cols = st.columns(len(names) + 1)
-    cols[0].metric("Accept length", f"{report.accept_length:.3f}")
+    loop = report.loop  # a looping continuation's accept length is the easiest a draft ever gets
+    cols[0].metric("Accept length", f"{report.accept_length:.3f}",
+                   f"loops from token {loop['loop_start']}: no clean figure" if loop["degenerate"]
+                   else f"clean {report.accept_length:.3f}, no loop", delta_color="off", delta_arrow="off")
     for col, name, share in zip(cols[1:], names, report.mean_shares):
         col.metric(f"Mean share, {name}", f"{share:.3f}")
     st.plotly_chart(charts.shares_fig(report), key="fusion_fig_shares")

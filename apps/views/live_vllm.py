@@ -38,7 +38,10 @@ def live() -> None:
     tracker.add(counters)
     total = counters.rates()
     m1, m2, m3, m4 = st.columns(4)
-    m1.metric("Accept length since start", f"{total['accept_length']:.3f}")
+    m1.metric("Accept length since start", f"{total['accept_length']:.3f}", "clean: unknown", delta_color="off",
+              delta_arrow="off", help="vLLM's counters carry no text, so looping outputs (the easiest text a draft "
+                                      "sees) cannot be set apart here: this figure may be inflated by loops. "
+                                      "`workbench bench` on the same prompts gives the clean figure.")
     m2.metric("Draft acceptance rate since start", f"{total['draft_acceptance_rate']:.1%}")
     m3.metric("Drafts since start", f"{counters.num_drafts:,}")
     m4.metric("Counters", counters.version.upper() + (" (drafts derived)" if counters.drafts_derived else ""))

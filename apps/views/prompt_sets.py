@@ -8,6 +8,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from workbench.analysis.degeneracy import random_prompt_warning
 from workbench.cli import parse_prompts as parse_jsonl
 
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "assets" / "prompts"
@@ -51,4 +52,8 @@ def pick_prompts(key: str, default_n: int = 2, default_set: str = "smoke.jsonl")
         st.stop()
     # no max_value: the widget outlives a switch to a smaller set, so the count is clamped instead
     n = st.number_input(f"Prompts to use (of {len(prompts)})", min_value=1, value=default_n, key=f"{key}_n")
-    return prompts[: min(int(n), len(prompts))]
+    chosen = prompts[: min(int(n), len(prompts))]
+    pair = st.session_state.get("pair")
+    if pair is not None and (warning := random_prompt_warning(chosen, pair.encode)):
+        st.warning(warning)  # acceptance on random text says nothing about serving: said before any figure
+    return chosen

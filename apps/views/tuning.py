@@ -78,17 +78,26 @@ st.caption(f"{result.num_prompts} prompts x {result.repeats} repeats · acceptan
 if rec.set_aside:
     st.error("Measurement errors, left out: " + "; ".join(f"k={p.k}: {p.error}" for p in result.points
                                                             if p.temperature == t and p.error))
-(st.success if rec.decided else st.warning)(rec.reason)  # an undecided run says so before any figure
+# an undecided run, or one whose evidence is mostly looping text, says so before any figure
+(st.success if rec.decided and not rec.mostly_loops else st.warning)(rec.reason)
 best = result.point(t, rec.k)
-m1, m2, m3, m4 = st.columns(4)
+m1, m2, m3, m4, m5 = st.columns(5)
 m1.metric("Fastest measured k" if not rec.decided else "Recommended k", "0 (no speculation)" if rec.k == 0 else rec.k)
 m2.metric("Its speedup [95%]", f"{best.speedup.median:.2f}x", f"[{best.speedup.lo:.2f}, {best.speedup.hi:.2f}]",
           delta_color="off", delta_arrow="off")
 m3.metric("Step-cost model's best k", rec.model_k, "agrees" if rec.agrees else "does not agree",
           delta_color="off", delta_arrow="off")
 m4.metric("Autoregressive (decode)", f"{result.point(t, 0).tokens_per_s.median:.1f} tok/s")
+m5.metric("Its accept length", f"{best.accept_length:.2f}",
+          f"clean {'n/a' if best.accept_length_clean is None else f'{best.accept_length_clean:.2f}'}, "
+          f"{best.degenerate} of {result.num_prompts} loop", delta_color="off", delta_arrow="off",
+          help="Clean: over the continuations that do not loop (fewer than 30% of their 6-grams repeat an "
+               "earlier one). A loop is the easiest text a draft ever sees.")
 
 st.table(pd.DataFrame([{"k": p.k, "accept length": f"{p.accept_length:.3f}",
+                        "clean accept length": "n/a" if p.accept_length_clean is None
+                        else f"{p.accept_length_clean:.3f}",
+                        "loops": f"{p.degenerate}/{result.num_prompts}",
                         "tokens/s [95%]": str(p.tokens_per_s), "speedup [95%]": str(p.speedup),
                         "model": "" if p.model_speedup is None else f"{p.model_speedup:.2f}",
                         "bound": f"{p.bound:.2f}", "prefill ms": f"{p.prefill_ms:.1f}"}

@@ -13,6 +13,10 @@ From the points: the fastest k at each B (0 where no k beats plain decoding), wr
 `num_speculative_tokens_per_batch_size`; the crossover, the smallest measured B from which on no
 k pays; the step costs t_step(B, k) / t_decode(B) that `GoodputEMA` decides with; the cache bytes
 each B allocated beside the figure the configs give; and the GPU roofline model beside it all.
+
+Every accept length comes with its clean counterpart and loop count (`analysis.degeneracy`), and
+the summary says at which B the best k's evidence is mostly looping text. The best k is chosen by
+measured speedup, never by per-position rates.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import median
 
+from workbench.analysis.degeneracy import accept_split
 from workbench.analysis.metrics import compute_stats
 from workbench.analysis.protocol import Arm, Interval, Measurements, Progress, Timing, check_protocol, measure
 from workbench.decoding.adaptive import ConfidenceStop, GoodputEMA, KPolicy, StepCosts
@@ -79,13 +84,22 @@ class BatchPoint:
     cache_bytes_hand: dict[str, int]  # B x rows per slot x bytes per token, from the configs
     matches_baseline: int | None  # greedy: requests whose tokens equal the baseline's
     error: str | None = None  # the speedup beat the accept length beyond its interval: not physics
+    accept_length_clean: float | None = None  # over the continuations that do not loop (None: all loop)
+    degenerate: int = 0  # continuations (first repeat) that loop
+    num_requests: int = 0  # continuations judged
+
+    @property
+    def mostly_loops(self) -> bool:
+        return self.num_requests > 0 and 2 * self.degenerate > self.num_requests
 
     def row(self) -> dict:
         return {"batch_size": self.batch_size, "k": self.k, "tokens_per_s": self.tokens_per_s.median,
                 "tokens_per_s_lo": self.tokens_per_s.lo, "tokens_per_s_hi": self.tokens_per_s.hi,
                 "per_request_tokens_per_s": self.per_request_tokens_per_s, "speedup": self.speedup.median,
                 "speedup_lo": self.speedup.lo, "speedup_hi": self.speedup.hi, "speedup_pooled": self.speedup.pooled,
-                "accept_length": self.accept_length, "occupancy": self.occupancy, "step_ms": self.step_ms,
+                "accept_length": self.accept_length, "accept_length_clean": self.accept_length_clean,
+                "degenerate": self.degenerate, "num_requests": self.num_requests,
+                "occupancy": self.occupancy, "step_ms": self.step_ms,
                 "cost": self.cost, "cache_bytes": sum(self.cache_bytes.values()),
                 "cache_bytes_hand": sum(self.cache_bytes_hand.values()), "matches_baseline": self.matches_baseline,
                 "error": self.error}
@@ -119,6 +133,11 @@ class BatchSweepResult:
             cands = [p for p in self.points if p.batch_size == b and not p.error]
             out[b] = max(cands, key=lambda p: (p.speedup.pooled, -p.k)).k
         return out
+
+    def rests_on_loops(self) -> list[int]:
+        """The batch sizes whose best k (speculative) was measured on mostly looping continuations."""
+        best = self.best_k()
+        return [b for b in self.batch_sizes if best[b] and self.point(b, best[b]).mostly_loops]
 
     def crossover(self) -> dict:
         """The smallest measured B from which on (it and every larger measured B) no k pays, overall
@@ -157,6 +176,7 @@ class BatchSweepResult:
                 "repeats": self.repeats, "max_new_tokens": self.max_new_tokens,
                 "points": [p.to_dict() for p in self.points], "best_k": self.best_k(), "crossover": self.crossover(),
                 "num_speculative_tokens_per_batch_size": sched.to_map(), "schedule_list": sched.to_list(),
+                "best_k_rests_on_loops": self.rests_on_loops(),
                 "speculative_config": self.speculative_config(),
                 "gpu_model": self.gpu,
                 "cells": {str(b): m.cells_dict() for b, m in self.measurements.items()}}
@@ -166,11 +186,13 @@ class BatchSweepResult:
                  f"{self.max_new_tokens}, aggregate decode tokens/s (median [95%]) and speedup over plain "
                  "decoding at the same batch size"]
         lines.append(f"{'B':>4} {'k':>3} {'tok/s':>8} {'[95%]':>18} {'speedup':>8} {'[95%]':>16} {'accept':>7} "
-                     f"{'per-req':>8} {'rows':>5} {'cache MiB':>10}")
+                     f"{'clean':>6} {'loops':>6} {'per-req':>8} {'rows':>5} {'cache MiB':>10}")
         for p in self.points:
             t, s = p.tokens_per_s, p.speedup
             lines.append(f"{p.batch_size:>4} {p.k:>3} {t.median:>8.0f} {f'[{t.lo:.0f}, {t.hi:.0f}]':>18} "
                          f"{s.median:>8.3f} {f'[{s.lo:.2f}, {s.hi:.2f}]':>16} {p.accept_length:>7.3f} "
+                         f"{'n/a' if p.accept_length_clean is None else f'{p.accept_length_clean:.3f}':>6} "
+                         f"{f'{p.degenerate}/{p.num_requests}':>6} "
                          f"{p.per_request_tokens_per_s:>8.0f} {p.occupancy:>5.2f} "
                          f"{sum(p.cache_bytes.values()) / 2**20:>10.2f}" + (f"  ERROR: {p.error}" if p.error else ""))
         cross = self.crossover()
@@ -179,6 +201,9 @@ class BatchSweepResult:
                         else f"speculation still pays at B = {max(self.batch_sizes)}, the largest measured")
                      + f" (per k: {cross['per_k']})")
         lines.append(f"vLLM: \"num_speculative_tokens_per_batch_size\": {self.schedule().to_map()}")
+        if looping := self.rests_on_loops():
+            lines.append(f"CAUTION: at B = {looping} the best k was measured on mostly looping continuations "
+                         "(more than half loop): its evidence is looping text; measure on prompts that do not loop")
         if self.gpu:
             lines.append(f"GPU (a roofline MODEL, not measured): {self.gpu['summary']}")
         return "\n".join(lines)
@@ -252,6 +277,7 @@ def _points(pair, m: Measurements, b: int, decoders: dict[int, BatchDecoder]) ->
         s = Timing.total(m.cell_timings(a.name))
         results = [res for run in first[a.name] for res in run.results]
         stats = compute_stats([e for r in results for e in r.events])
+        split = accept_split([r.events for r in results])
         steps = [st for run in runs for st in run.steps]
         speedup = m.ratio(a.name, base) if a.k else Interval(1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
         error = None
@@ -268,7 +294,8 @@ def _points(pair, m: Measurements, b: int, decoders: dict[int, BatchDecoder]) ->
             stats.accept_length, sum(st.batch_size for st in steps) / max(len(steps), 1),
             median([st.wall_s for st in steps] or [0.0]) * 1e3,
             (s.decode_s / max(s.steps, 1)) / t_decode if t_decode > 0 else math.nan,
-            dec.cache_bytes(), hand_cache_bytes(pair, b, dec.cache_rows()), matches, error))
+            dec.cache_bytes(), hand_cache_bytes(pair, b, dec.cache_rows()), matches, error, split.clean,
+            split.num_degenerate, split.num_requests))
     return points
 
 
@@ -284,6 +311,8 @@ class PolicyResult:
     speedup: Interval  # over plain decoding
     vs_best_static: Interval | None  # its speedup minus the best static k's, paired per cell
     matches_baseline: int
+    accept_length_clean: float | None = None  # over the continuations that do not loop (None: all loop)
+    degenerate: int = 0  # continuations (first repeat) that loop
 
 
 def compare_policies(pair, prompts: Sequence[str], policies: dict[str, KPolicy], static_ks: Sequence[int],
@@ -304,19 +333,21 @@ def compare_policies(pair, prompts: Sequence[str], policies: dict[str, KPolicy],
     m = measure([Arm(n, d.k_max, (lambda g, d=d: run_group(d, g, max_new_tokens)), BatchRun.timing)
                  for n, d in arms.items()], groups, repeats, True, progress)
 
-    def summary(name: str) -> tuple[float, float, int]:
+    def summary(name: str) -> tuple[float, float, int, float | None, int]:
         results = [res for run in m.results[name][0] for res in run.results]
         events = [e for r in results for e in r.events if e.kind == "spec"]
         base = [res.tokens for run in m.results["autoregressive"][0] for res in run.results]
+        split = accept_split([r.events for r in results])
         return (compute_stats(events).accept_length, sum(e.k for e in events) / max(len(events), 1),
-                sum(r.tokens == t for r, t in zip(results, base)))
+                sum(r.tokens == t for r, t in zip(results, base)), split.clean, split.num_degenerate)
 
     best = max((f"k={k}" for k in static_ks), key=lambda n: m.ratio(n, "autoregressive").pooled)
     out = {}
     for name in arms:
-        al, mean_k, same = summary(name)
+        al, mean_k, same, clean, loops = summary(name)
         out[name] = PolicyResult(name, m.rate(name), al, mean_k, m.ratio(name, "autoregressive"),
-                                 m.difference(name, best, "autoregressive") if name != "autoregressive" else None, same)
+                                 m.difference(name, best, "autoregressive") if name != "autoregressive" else None, same,
+                                 clean, loops)
     return {"batch_size": batch_size, "num_prompts": len(prompts), "repeats": repeats, "best_static": best,
             "policies": {n: p.name for n, p in policies.items()}, "results": out, "measurements": m}
 

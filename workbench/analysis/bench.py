@@ -13,6 +13,12 @@ The report also says what the speedup is made of (`step_cost`, from the same run
 cost in autoregressive decodes, the tokens it yields, and so what speculation gives once the
 prefills are left out, and at most, were every proposal accepted at that cost. A ratio alone
 cannot tell a weak draft from an expensive step; these can.
+
+Accept lengths come with the loops set apart (`workbench.analysis.degeneracy`): each prompt's
+continuation is flagged `degenerate` by the repeated-6-gram rule, and the report gives the loop
+count, the accept length over the clean continuations, the per-request mean and the accept length
+by decode position beside the pooled figure. It warns about prompts that look random and calls a
+draft below accept length 1.2 dead.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import time
 
 import torch
 
+from workbench.analysis.degeneracy import accept_split, dead_draft_note, detect_loop, random_prompt_warning
 from workbench.analysis.metrics import compute_stats
 from workbench.kernels import cpu
 from workbench.machine import machine
@@ -164,31 +171,34 @@ def _graph_cache_counts() -> dict[str, int]:
 
 def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, attention: str = "auto",
               peers: bool = True, peer_prompts: int = 8, repeats: int = 1, progress: bool = True,
-              fused: bool | None = None, components: int = 0) -> dict:
+              fused: bool | None = None, components: int = 0, heal: bool = False) -> dict:
     """Every prompt speculatively and autoregressively, alternating which goes first; with
-    `components` > 0, also `step_components` on the first prompt, that many calls of each part."""
+    `components` > 0, also `step_components` on the first prompt, that many calls of each part.
+    `heal` heals each prompt's last token (`workbench.decoding.healing`) in both methods."""
     # long: the timing loop and the report it fills share their locals; split, they would travel as arguments
     import workbench as wb
 
     dec = wb.SpecDecoder(pair, num_speculative_tokens=k, attention=attention, fused=fused)
-    ar_fn = lambda p: wb.generate_autoregressive(pair, p, max_new_tokens, attention=attention)  # noqa: E731
+    ar_fn = lambda p: wb.generate_autoregressive(pair, p, max_new_tokens, attention=attention, heal=heal)  # noqa: E731
     # Warm-up, outside the timing: with a compiled pair this is where every graph compiles
     # (verify and draft steps of 1 and of several tokens both occur within 32 tokens).
     cache_before = _graph_cache_counts()
-    _, warmup_s = _timed(lambda: (dec.generate(prompts[0], max_new_tokens=32), ar_fn(prompts[0])))
+    _, warmup_s = _timed(lambda: (dec.generate(prompts[0], max_new_tokens=32, heal=heal), ar_fn(prompts[0])))
     graph_cache = {k: v - cache_before[k] for k, v in _graph_cache_counts().items()}
     spec_events, spec_tok, spec_t, ar_tok, ar_t, ratios, ties, per_prompt = [], 0, 0.0, 0, 0.0, [], [], []
+    requests = []  # each prompt's speculative steps, for the accept lengths with the loops set apart
     ar_prefill_t = 0.0
     bar = _bar(len(prompts), "bench", progress)
     for i, prompt in enumerate(prompts):
         runs_s, runs_a = [], []
         for r in range(repeats):
-            order = [("s", lambda: dec.generate(prompt, max_new_tokens)), ("a", lambda: ar_fn(prompt))]
+            order = [("s", lambda: dec.generate(prompt, max_new_tokens, heal=heal)), ("a", lambda: ar_fn(prompt))]
             for tag, fn in (order if (i + r) % 2 == 0 else order[::-1]):
                 (runs_s if tag == "s" else runs_a).append(_timed(fn))
         spec, ts = runs_s[0][0], statistics.median(t for _, t in runs_s)
         ar, ta = runs_a[0][0], statistics.median(t for _, t in runs_a)
         spec_events += spec.events
+        requests.append(spec.events)
         ar_prefill_t += ar.events[0].verify_time
         spec_tok, spec_t, ar_tok, ar_t = spec_tok + len(spec.tokens), spec_t + ts, ar_tok + len(ar.tokens), ar_t + ta
         ratios.append((len(spec.tokens) / ts) / (len(ar.tokens) / ta))
@@ -196,19 +206,24 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
             d = divergence(pair, ar.prompt_tokens, ar.tokens, spec.tokens, attention)
             ties.append({"prompt_index": i, **(d or {"position": min(len(ar.tokens), len(spec.tokens)),
                                                       "tie": False, "note": "same prefix, different lengths"})})
+        loop = detect_loop(spec.tokens)
         per_prompt.append({"spec_tokens": len(spec.tokens), "ar_tokens": len(ar.tokens), "spec_s": ts, "ar_s": ta,
-                           "accept_length": spec.stats.accept_length, "identical": spec.tokens == ar.tokens})
+                           "accept_length": spec.stats.accept_length, "identical": spec.tokens == ar.tokens,
+                           "degenerate": loop.degenerate, "repeated_6gram_share": loop.share,
+                           "loop_start": loop.loop_start, "token_ids": list(spec.tokens)})
         _tick(bar, f"AL {spec.stats.accept_length:.2f}")
     _close(bar)
     stats = compute_stats(spec_events, elapsed=spec_t, num_tokens=spec_tok)
+    split = accept_split(requests)
     spec_steps = sum(e.kind == "spec" for e in spec_events)
     report = {
         "k": k, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(pair.dtype).replace("torch.", ""),
         "device": str(pair.device), "machine": machine(), "fast_path": dec.pair.status(), "cpu_kernels": cpu.status(),
-        "attention": dec.attention,
+        "attention": dec.attention, "heal": heal,
         "threads": torch.get_num_threads(), "repeats": repeats,
         "compiled": pair.compiled, "fused": dec.fused is not None, "warmup_s": warmup_s, "graph_cache": graph_cache,
         "verifier": pair.verifier_dir, "draft": pair.draft_dir,
+        **hygiene(pair, prompts, split),
         "accept_length": stats.accept_length, "per_position_acceptance": stats.per_position_acceptance,
         "conditional_acceptance": stats.conditional_acceptance,
         "accepted_length_histogram": stats.accepted_length_histogram,
@@ -228,6 +243,17 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     if peers:
         report["peers"] = peer_bench(pair, prompts[:peer_prompts], max_new_tokens, k, attention, progress)
     return report
+
+
+def hygiene(pair, prompts: list[str], split) -> dict:
+    """The accept lengths with the loops set apart, and the warnings a reader needs before any figure:
+    prompts that look random, a dead draft, figures that rest mostly on looping text."""
+    dead = dead_draft_note(split.pooled)
+    warnings = [w for w in (random_prompt_warning(prompts, pair.encode), dead) if w]
+    if split.mostly_loops:
+        warnings.append(f"{split.num_degenerate} of {split.num_requests} continuations loop: the pooled accept "
+                        "length rests mostly on looping text; read the clean figure")
+    return {**split.to_dict(), "dead_draft": dead is not None, "warnings": warnings}
 
 
 def peer_bench(pair, prompts: list[str], max_new_tokens: int, k: int, attention: str, progress: bool) -> dict:

@@ -9,7 +9,9 @@ verifier's, and a draft whose max_position_embeddings is below the verifier's (N
 
 `diagnose` runs static checks on configs and weights, then measures the greedy accept length
 of the configured pairing and of each alternative; an alternative that beats the configured
-one by a clear margin is flagged, as is a configured accept length below 1.2. Every probe runs
+one by a clear margin is flagged, and a configured accept length below 1.2 calls the draft dead.
+Every accept length comes with the one over the continuations that do not loop and the loop
+count (`workbench.analysis.degeneracy`), and prompts that look random are warned about. Every probe runs
 on a weight-sharing variant of the pair (`ModelPair.variant`): the caller's pair never changes.
 
 "Clear" means above a fixed margin *and* beyond the noise of a few prompts. Greedy runs are
@@ -33,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from workbench.analysis.degeneracy import DEAD_DRAFT, AcceptSplit, accept_split, dead_draft_note, random_prompt_warning
 from workbench.analysis.field_checks import aux_id_readings, field_checks
 from workbench.analysis.metrics import compute_stats
 from workbench.decoding.engine import SpecDecoder
@@ -42,7 +45,7 @@ from workbench.variants import REMOVED
 MARGIN_ABS = 0.05  # an alternative must beat the configured accept length by more than this ...
 MARGIN_REL = 0.02  # ... and by more than this fraction of it, to be flagged (run-to-run noise is 0 at T=0,
 # but a few prompts make small differences meaningless)
-MIN_ACCEPT = 1.2  # below this the draft is barely ever accepted: likely misconfigured, not just weak
+MIN_ACCEPT = DEAD_DRAFT  # below this the draft is barely ever accepted: dead (misconfigured or untrained)
 NOISE_Z = 2.0  # ... and its paired per-position z-score must exceed this
 
 
@@ -66,6 +69,12 @@ class Probe:
     skipped: str | None = None  # why the probe could not run
     delta: float | None = None  # accept_length - configured
     flagged: bool = False
+    accept_length_clean: float | None = None  # over the continuations that do not loop (None: all loop, or skipped)
+    degenerate: int = 0  # continuations that loop
+
+    def loops_text(self, num_prompts: int) -> str:
+        clean = "n/a" if self.accept_length_clean is None else f"{self.accept_length_clean:.3f}"
+        return f"clean {clean}, {self.degenerate} of {num_prompts} loop"
 
 
 @dataclass
@@ -90,8 +99,9 @@ class DoctorReport:
                  f"max_new_tokens {self.max_new_tokens})", "static checks:"]
         lines += [f"  [{c.status:>4}] {c.name}: {c.detail}" for c in self.checks]
         c = self.configured
-        head = "n/a" if c.accept_length is None else (f"{c.accept_length:.3f}, first proposals "
-                                                         f"{c.first_proposal_rate:.3f} over {c.positions} positions")
+        head = "n/a" if c.accept_length is None else (f"{c.accept_length:.3f} ({c.loops_text(self.num_prompts)}), "
+                                                         f"first proposals {c.first_proposal_rate:.3f} over "
+                                                         f"{c.positions} positions")
         lines.append(f"acceptance probes (greedy accept length; configured = {head}):")
         for p in self.probes:
             if p.skipped:
@@ -99,7 +109,8 @@ class DoctorReport:
             else:
                 mark = "FLAG" if p.flagged else "  ok"
                 z = "?" if p.z is None else f"{p.z:+.1f}"
-                lines.append(f"  [{mark}] {p.name}: {p.accept_length:.3f} ({p.delta:+.3f}; first proposals "
+                lines.append(f"  [{mark}] {p.name}: {p.accept_length:.3f} ({p.delta:+.3f}; "
+                             f"{p.loops_text(self.num_prompts)}; first proposals "
                              f"{p.first_proposal_rate:.3f}; z {z} on {p.test}) - {p.description}")
         lines += [f"! {f}" for f in self.flags]
         return "\n".join(lines)
@@ -264,20 +275,22 @@ class Run:
     steps: int
     marks: Marks
     sequences: list[list[int]]  # prompt + output tokens, per prompt
+    split: AcceptSplit  # the accept lengths with the looping continuations set apart
 
 
 def generate_run(pair, prompts: Sequence[str], k: int, max_new_tokens: int, attention: str = "auto") -> Run:
     """Greedy speculative decoding over the prompts: pooled accept length and per-position marks."""
     dec = SpecDecoder(pair, num_speculative_tokens=k, temperature=0.0, attention=attention)
-    events, marks, sequences = [], [], []
+    events, marks, sequences, requests = [], [], [], []
     for prompt in prompts:
         res = dec.generate(prompt, max_new_tokens)
         events += res.events
+        requests.append(res.events)
         marks.append({e.position + i: (tok, status == "accepted") for e in res.events
                       for i, (tok, status) in enumerate(zip(e.emitted, e.emitted_status))})
         sequences.append(res.prompt_tokens + res.tokens)
     steps = sum(1 for e in events if e.kind == "spec" and e.k > 0)
-    return Run(compute_stats(events).accept_length, steps, marks, sequences)
+    return Run(compute_stats(events).accept_length, steps, marks, sequences, accept_split(requests))
 
 
 @torch.inference_mode()
@@ -331,10 +344,16 @@ def judge(configured: Probe, probes: list[Probe]) -> list[str]:
         if p.flagged:
             flags.append(f"'{p.name}' accepts {p.accept_length:.3f} vs the configured {base:.3f} (paired z = "
                          f"{p.z:.1f} on {p.test}): {p.description}")
-    if base < MIN_ACCEPT:
-        flags.append(f"configured accept length {base:.3f} < {MIN_ACCEPT}: the draft is likely misconfigured "
-                     "(wrong aux layers, norm, RoPE or checkpoint), or untrained")
+    if dead := dead_draft_note(base):
+        flags.append(f"configured: {dead}")
     return flags
+
+
+def prompt_check(pair, prompts: Sequence[str]) -> Check:
+    """Prompts that look random make every acceptance figure meaningless: warn before any is shown."""
+    warning = random_prompt_warning(prompts, pair.encode)
+    return Check("prompts", "warn", warning) if warning else \
+        Check("prompts", "ok", f"none of the {len(prompts)} prompts looks random")
 
 
 def diagnose(pair, prompts: Sequence[str], k: int = 3, max_new_tokens: int = 32, attention: str = "auto",
@@ -342,7 +361,7 @@ def diagnose(pair, prompts: Sequence[str], k: int = 3, max_new_tokens: int = 32,
     """Static checks plus greedy accept length of the configured pairing and each alternative."""
     if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise ValueError("diagnose: argument 'prompts'; expected a non-empty list of non-empty strings")
-    checks = static_checks(pair)
+    checks = static_checks(pair) + [prompt_check(pair, prompts)]
     configured = Probe("configured", "the pairing as loaded")
     if pair.draft is None or any(c.status == "fail" and c.name in ("fc input width", "hidden sizes", "vocab")
                                  for c in checks):
@@ -356,6 +375,7 @@ def diagnose(pair, prompts: Sequence[str], k: int = 3, max_new_tokens: int = 32,
     base = generate_run(pair, prompts, k, max_new_tokens, attention)
     base_hits = first_proposal_hits(pair, base.sequences, attention)
     configured.accept_length, configured.steps, configured.delta = base.accept_length, base.steps, 0.0
+    configured.accept_length_clean, configured.degenerate = base.split.clean, base.split.num_degenerate
     configured.first_proposal_rate, configured.positions = sum(base_hits) / len(base_hits), len(base_hits)
     probes = []
     for alt in plan:
@@ -369,6 +389,7 @@ def diagnose(pair, prompts: Sequence[str], k: int = 3, max_new_tokens: int = 32,
         run = generate_run(probe_pair, prompts, k, max_new_tokens, attention)
         hits = first_proposal_hits(probe_pair, base.sequences, attention)
         probe.accept_length, probe.steps = run.accept_length, run.steps
+        probe.accept_length_clean, probe.degenerate = run.split.clean, run.split.num_degenerate
         probe.first_proposal_rate, probe.positions = sum(hits) / len(hits), len(hits)
         if alt.first_proposal:
             probe.z, probe.test = paired_z(base_hits, hits), "first proposals"

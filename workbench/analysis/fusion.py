@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
-from workbench.analysis.metrics import compute_stats
+from workbench.analysis.degeneracy import AcceptSplit, accept_split, detect_loop
 from workbench.decoding.engine import SpecDecoder
 
 CONVENTION = "id k = the residual stream entering decoder layer k (vLLM; transformers' hidden_states[k])"
@@ -95,9 +95,15 @@ class FusionReport:
     rms: list[list[float]]  # [T][S] RMS of each captured aux state
     accept_length: float
     relation: AcceptanceRelation
+    loop: dict = field(default_factory=dict)  # the continuation's loop verdict (`analysis.degeneracy.detect_loop`)
+
+    @property
+    def accept_length_clean(self) -> float | None:
+        """The accept length when the continuation does not loop; None when it does (a loop is easy text)."""
+        return None if self.loop.get("degenerate") else self.accept_length
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "accept_length_clean": self.accept_length_clean}
 
 
 def _terms(draft, aux: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +140,7 @@ def inspect_fusion(pair, prompt: str, max_new_tokens: int = 32, k: int = 3, atte
         block_norms=[float(w.float().norm()) for w in fc_blocks(draft)],
         term_norms=term_norms.tolist(), shares=shares.tolist(), mean_shares=shares.mean(0).tolist(),
         cosine=cosine, rms=rms.tolist(), accept_length=res.stats.accept_length,
-        relation=_relation(res.events, shares),
+        relation=_relation(res.events, shares), loop=detect_loop(res.tokens).to_dict(),
     )
 
 
@@ -233,6 +239,8 @@ class AblationEntry:
     mode: str
     accept_length: float
     delta: float  # accept_length - baseline (negative: the source was helping)
+    accept_length_clean: float | None = None  # over the continuations that do not loop (None: all loop)
+    degenerate: int = 0  # continuations that loop
 
 
 @dataclass
@@ -243,23 +251,34 @@ class AblationReport:
     aux_layer_ids: list[int]
     baseline: float  # greedy accept length with every source intact
     entries: list[AblationEntry]
+    baseline_clean: float | None = None  # the same over the continuations that do not loop
+    baseline_degenerate: int = 0  # the intact draft's continuations that loop
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
-        lines = [f"ablation at k={self.k}, {self.num_prompts} prompts: baseline accept length {self.baseline:.3f}"]
+        lines = [f"ablation at k={self.k}, {self.num_prompts} prompts: baseline accept length {self.baseline:.3f} "
+                 f"({_clean(self.baseline_clean, self.baseline_degenerate, self.num_prompts)})"]
         for e in self.entries:
             lines.append(f"  {e.mode:>7} source {e.source} (layer {e.layer_id}): {e.accept_length:.3f} "
-                         f"({e.delta:+.3f})")
+                         f"({e.delta:+.3f}; {_clean(e.accept_length_clean, e.degenerate, self.num_prompts)})")
         return "\n".join(lines)
+
+
+def _clean(clean: float | None, loops: int, n: int) -> str:
+    return f"clean {'n/a' if clean is None else f'{clean:.3f}'}, {loops} of {n} loop"
+
+
+def greedy_split(pair, prompts: Sequence[str], k: int, max_new_tokens: int, attention: str = "auto") -> AcceptSplit:
+    """Greedy accept lengths over prompts (pooled exactly over every prompt's events, and clean)."""
+    dec = SpecDecoder(pair, num_speculative_tokens=k, temperature=0.0, attention=attention)
+    return accept_split([dec.generate(p, max_new_tokens).events for p in prompts])
 
 
 def greedy_accept_length(pair, prompts: Sequence[str], k: int, max_new_tokens: int, attention: str = "auto") -> float:
     """Greedy accept length over prompts, from every prompt's events together (exact pooling)."""
-    dec = SpecDecoder(pair, num_speculative_tokens=k, temperature=0.0, attention=attention)
-    events = [e for p in prompts for e in dec.generate(p, max_new_tokens).events]
-    return compute_stats(events).accept_length
+    return greedy_split(pair, prompts, k, max_new_tokens, attention).pooled
 
 
 def ablation_study(pair, prompts: Sequence[str], k: int = 3, max_new_tokens: int = 32,
@@ -276,14 +295,14 @@ def ablation_study(pair, prompts: Sequence[str], k: int = 3, max_new_tokens: int
     total = 1 + len(ids) * len(modes)
     if progress:
         progress(0, total, "intact draft")
-    base = greedy_accept_length(pair, prompts, k, max_new_tokens, attention)
+    base = greedy_split(pair, prompts, k, max_new_tokens, attention)
     entries = []
     for mode in modes:
         for s, layer in enumerate(ids):
             if progress:
                 progress(len(entries) + 1, total, f"{mode} source {s} (layer {layer})")
-            a = greedy_accept_length(ablated(pair, s, mode, seed), prompts, k, max_new_tokens, attention)
-            entries.append(AblationEntry(s, layer, mode, a, a - base))
+            a = greedy_split(ablated(pair, s, mode, seed), prompts, k, max_new_tokens, attention)
+            entries.append(AblationEntry(s, layer, mode, a.pooled, a.pooled - base.pooled, a.clean, a.num_degenerate))
     if progress:
         progress(total, total, "done")
-    return AblationReport(k, max_new_tokens, len(prompts), ids, base, entries)
+    return AblationReport(k, max_new_tokens, len(prompts), ids, base.pooled, entries, base.clean, base.num_degenerate)

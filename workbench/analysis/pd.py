@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from workbench.analysis.degeneracy import accept_split
 from workbench.analysis.kvcache import HANDOVER_MODES, handover_bytes
 from workbench.analysis.metrics import compute_stats
 from workbench.analysis.protocol import Arm, measure
@@ -28,6 +29,8 @@ class ModeResult:
     bytes_per_request: float  # measured: what the hand-overs carried, on average
     model_bytes_per_request: float  # `handover_bytes` at the mean prompt length, for comparison
     identical: int  # prompts whose tokens equal one-process decoding (greedy)
+    accept_length_clean: float | None = None  # over the continuations that do not loop (None: all loop)
+    degenerate: int = 0  # continuations that loop (`analysis.degeneracy`)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,10 +50,12 @@ class PDReport:
 
     def summary(self) -> str:
         lines = [f"prefill/decode hand-over, k = {self.k}, {self.max_new_tokens} new tokens",
-                 f"{'draft':>5} {'prompts':>7} {'mode':>9} {'tokens':>7} {'accept':>7} {'tok/s':>8} {'bytes':>11} "
-                 f"{'identical':>9}"]
+                 f"{'draft':>5} {'prompts':>7} {'mode':>9} {'tokens':>7} {'accept':>7} {'clean':>6} {'loops':>6} "
+                 f"{'tok/s':>8} {'bytes':>11} {'identical':>9}"]
         for r in self.results:
+            clean = "n/a" if r.accept_length_clean is None else f"{r.accept_length_clean:.3f}"
             lines.append(f"{r.draft:>5} {r.prompts:>7} {r.mode:>9} {r.mean_prompt_tokens:>7.0f} {r.accept_length:>7.3f} "
+                         f"{clean:>6} {f'{r.degenerate}/{r.num_prompts}':>6} "
                          f"{r.decode_tokens_per_s:>8.1f} {r.bytes_per_request:>11.0f} {r.identical:>4}/{r.num_prompts}")
         return "\n".join(lines)
 
@@ -87,10 +92,12 @@ def _modes(pair, kind: str, name: str, prompts: list[str], modes, k: int, max_ne
         results = m.results[mode][0]
         lengths = [len(r.prompt_tokens) for r in results]
         model = [handover_bytes(pair.verifier.config, pair.draft.config, n, mode, nb)["total"] for n in lengths]
+        split = accept_split([r.events for r in results])
         out.append(ModeResult(kind, name, mode, len(prompts), sum(lengths) / len(lengths),
                               compute_stats([e for r in results for e in r.events]).accept_length,
                               m.rate(mode).pooled, sum(sent[mode, p] for p in prompts) / len(prompts),
-                              sum(model) / len(model), sum(r.tokens == t for r, t in zip(results, plain))))
+                              sum(model) / len(model), sum(r.tokens == t for r, t in zip(results, plain)),
+                              split.clean, split.num_degenerate))
     return out
 
 

@@ -8,6 +8,12 @@ tokens/s and speedup are decode-only medians with a bootstrap interval. A point 
 exceeds what physics allows (`bound`) is marked as a measurement error and left out of the
 recommendation. The step-cost model (`costmodel`) is fitted on the same run and extrapolated to
 `k_max`.
+
+Each point's continuations are judged by the loop rule (`workbench.analysis.degeneracy`): the
+point carries its loop count and its accept length over the clean continuations beside the
+pooled one, and the recommendation says when the evidence for its k is mostly looping text. The
+recommendation ranks arms by measured speedup only; per-position acceptance rates fall with k by
+arithmetic alone and never rank k.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from workbench.analysis.costmodel import ModelCurve, model_curve
+from workbench.analysis.degeneracy import AcceptSplit, accept_split
 from workbench.analysis.metrics import compute_stats, stats_table
 from workbench.analysis.protocol import (Arm, Interval, Measurements, Progress, Timing, cells_to_separate,
                                          check_protocol, measure)
@@ -43,14 +50,26 @@ class SweepPoint:
     model_speedup: float | None = None
     per_prompt_accept_length: list[float] = field(default_factory=list)
     matches_baseline: int | None = None  # temperature 0: prompts whose tokens equal the baseline's
+    split: AcceptSplit | None = None  # the first repeat's continuations: loops, clean and per-request figures
 
     @property
     def accept_length(self) -> float:
         return self.stats.accept_length
 
+    @property
+    def accept_length_clean(self) -> float | None:
+        return self.split.clean if self.split else None
+
+    @property
+    def degenerate(self) -> int:
+        """Continuations (first repeat) that loop."""
+        return self.split.num_degenerate if self.split else 0
+
     def row(self) -> dict:
         """One flat dict: the point's scalars, then the stats' `<list>_<i>` columns."""
         head = {"temperature": self.temperature, "k": self.k, "accept_length": self.accept_length,
+                "accept_length_clean": self.accept_length_clean, "degenerate": self.degenerate,
+                "accept_length_per_request": self.split.per_request if self.split else None,
                 "tokens_per_s": self.tokens_per_s.median, "tokens_per_s_lo": self.tokens_per_s.lo,
                 "tokens_per_s_hi": self.tokens_per_s.hi, "speedup": self.speedup.median,
                 "speedup_lo": self.speedup.lo, "speedup_hi": self.speedup.hi, "model_speedup": self.model_speedup,
@@ -63,7 +82,9 @@ class SweepPoint:
 
     def to_dict(self) -> dict:
         return {**self.row(), "tokens_per_s": self.tokens_per_s.to_dict(), "speedup": self.speedup.to_dict(),
-                "stats": self.stats.to_dict(), "per_prompt_accept_length": self.per_prompt_accept_length}
+                "stats": self.stats.to_dict(), "per_prompt_accept_length": self.per_prompt_accept_length,
+                "per_prompt_degenerate": self.split.degenerate if self.split else [],
+                "accept_length_by_position": self.split.by_position if self.split else {}}
 
 
 @dataclass
@@ -82,6 +103,7 @@ class Recommendation:
     set_aside: list[int]  # ks whose measurement broke physics
     reason: str
     outputs: dict  # vLLM: speculative_config, synthetic acceptance, per-request metrics
+    mostly_loops: bool = False  # more than half the continuations behind k loop: the evidence is looping text
 
 
 @dataclass
@@ -119,7 +141,8 @@ class SweepResult:
         for t in self.temperatures:
             r = self.recommendation(t)
             recs[str(t)] = {**{f: getattr(r, f) for f in ("k", "decided", "tied", "runner_up", "prompts_to_separate",
-                                                          "model_k", "agrees", "set_aside", "reason", "outputs")},
+                                                          "model_k", "agrees", "set_aside", "reason", "outputs",
+                                                          "mostly_loops")},
                             "margin": r.margin.to_dict() if r.margin else None,
                             "model_margin": dict(zip(("point", "lo", "hi"), r.model_margin))}
         return {
@@ -140,12 +163,14 @@ class SweepResult:
             base = self.point(t, 0)
             lines.append(f"\ntemperature {t} ({self.acceptance_rules[t]}): autoregressive {base.tokens_per_s} tok/s "
                          f"(decode), prefill {base.prefill_ms:.1f} ms")
-            lines.append(f"{'k':>3} {'accept':>7} {'tok/s [95%]':>22} {'speedup [95%]':>22} {'model':>6} "
-                         f"{'verify':>6} {'draft':>6} {'host':>6}  (costs in decodes)")
+            lines.append(f"{'k':>3} {'accept':>7} {'clean':>6} {'loops':>6} {'tok/s [95%]':>22} {'speedup [95%]':>22} "
+                         f"{'model':>6} {'verify':>6} {'draft':>6} {'host':>6}  (costs in decodes)")
             for p in self.points:
                 if p.temperature != t or p.k == 0:
                     continue
-                lines.append(f"{p.k:>3} {p.accept_length:>7.3f} {str(p.tokens_per_s):>22} {str(p.speedup):>22} "
+                clean = "n/a" if p.accept_length_clean is None else f"{p.accept_length_clean:.3f}"
+                lines.append(f"{p.k:>3} {p.accept_length:>7.3f} {clean:>6} {f'{p.degenerate}/{self.num_prompts}':>6} "
+                             f"{str(p.tokens_per_s):>22} {str(p.speedup):>22} "
                              f"{p.model_speedup:>6.2f} {p.verify_decodes:>6.2f} {p.draft_decodes:>6.3f} "
                              f"{p.overhead_decodes:>6.3f}" + (f"  MEASUREMENT ERROR: {p.error}" if p.error else ""))
             lines.append(self.recommendation(t).reason)
@@ -217,7 +242,8 @@ def _points(m: Measurements, t: float, curve: ModelCurve) -> list[SweepPoint]:
         points.append(SweepPoint(
             t, a.k, stats, m.rate(a.name), speedup, m.prefill_s(a.name) * 1e3, verify / t_dec if a.k else 1.0,
             s.draft_s / s.draft_forwards / t_dec if s.draft_forwards else 0.0, host / t_dec if a.k else 0.0, bound,
-            error, curve.speedup.get(a.k), [r.stats.accept_length for r in first[a.name]], matches))
+            error, curve.speedup.get(a.k), [r.stats.accept_length for r in first[a.name]], matches,
+            accept_split([r.events for r in first[a.name]])))
     return points
 
 
@@ -263,7 +289,8 @@ def _recommend(res: SweepResult, t: float) -> Recommendation:
     pts = [p for p in res.points if p.temperature == t]
     set_aside = [p.k for p in pts if p.error]
     cands = [p for p in pts if not p.error]
-    best = max(cands, key=lambda p: (p.speedup.pooled, -p.k))  # pooled: consistent with the pooled differences
+    # by measured speedup only (pooled: consistent with the pooled differences); never by per-position rates
+    best = max(cands, key=lambda p: (p.speedup.pooled, -p.k))
     diffs = {p.k: m.difference(arm_name(best.k), arm_name(p.k), arm_name(0)) for p in cands if p.k != best.k}
     tied = sorted(k for k, d in diffs.items() if d.lo <= 0)
     # the runner-up: the closest candidate (among those tied with the best, if any)
@@ -272,9 +299,20 @@ def _recommend(res: SweepResult, t: float) -> Recommendation:
     needed = [cells_to_separate(diffs[k], len(m.cells)) for k in tied]
     prompts = None if not tied or None in needed else math.ceil(max(needed) / res.repeats)
     agrees = curve.best in [best.k, *tied]
-    reason = _reason(res, t, best, tied, runner, margin, prompts, curve, agrees, set_aside)
+    reason = _reason(res, t, best, tied, runner, margin, prompts, curve, agrees, set_aside) + _loop_note(best)
     return Recommendation(best.k, not tied, tied, runner, margin, prompts, curve.best, curve.margin, agrees,
-                          set_aside, reason, _outputs(res, t, best.k))
+                          set_aside, reason, _outputs(res, t, best.k), bool(best.split and best.split.mostly_loops))
+
+
+def _loop_note(best: SweepPoint) -> str:
+    """What the recommended k's accept length rests on: a warning when most of its continuations loop."""
+    s = best.split
+    if s is None or not s.num_requests:
+        return ""
+    if s.mostly_loops:
+        return (f" CAUTION: the evidence for k={best.k} rests mostly on looping text: {s.num_degenerate} of "
+                f"{s.num_requests} continuations loop ({s.describe()}); measure on prompts that do not loop.")
+    return f" Its {s.describe()}."
 
 
 def _reason(res, t, best, tied, runner, margin, prompts, curve, agrees, set_aside) -> str:
