@@ -247,3 +247,30 @@ def test_a_cold_process_first_arm_is_not_slower_than_when_it_runs_last():
     first = cells[0]["decode_tokens_per_s"][arm]
     last = [c["decode_tokens_per_s"][arm] for c in cells[1:] if c["order"][-1] == arm]
     assert len(last) >= 3 and first >= min(last) - (max(last) - min(last)), (arm, first, last)
+
+
+def test_cli_generate_chat_sends_a_user_turn_through_the_template(capsys, tmp_path):
+    """`generate --chat` renders the prompt as one user turn with the checkpoint's chat template; a
+    checkpoint without one is refused by name, and plain completion stays the default."""
+    import shutil
+
+    from tests.helpers import EMBEDDED
+    from workbench.tokenizer import Tokenizer
+    from workbench.training.tokenizer import KIMI_CHAT_TEMPLATE
+
+    assert main(["generate", "--chat", "--prompt", "Write f.", "--max-new-tokens", "4"]) == 2
+    assert "--chat needs a chat template" in capsys.readouterr().err
+    chat_dir = tmp_path / "verifier"
+    shutil.copytree(EMBEDDED / "verifier", chat_dir)
+    config = json.loads((chat_dir / "tokenizer_config.json").read_text())
+    (chat_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": KIMI_CHAT_TEMPLATE}))
+    argv = ["generate", "--verifier", str(chat_dir), "--draft", str(EMBEDDED / "draft"), "--prompt", "Write f.",
+            "--max-new-tokens", "4", "--json"]
+    assert main([*argv, "--chat"]) == 0
+    chat = json.loads(capsys.readouterr().out)
+    tok = Tokenizer.from_dir(chat_dir)
+    rendered = tok.format_prompt([{"role": "user", "content": "Write f."}])
+    assert "<|im_user|>user<|im_middle|>Write f.<|im_end|>" in rendered
+    assert chat["prompt_tokens"] == tok.encode(rendered, add_bos=True) or chat["prompt_tokens"] == tok.encode(rendered)
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] in (tok.encode("Write f."), tok.encode("Write f.", add_bos=True))

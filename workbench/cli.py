@@ -92,15 +92,21 @@ def cmd_generate(args) -> int:
 
     constraints = _constraints(args)
     pair = _load(args)
+    prompt = args.prompt
+    if args.chat:  # one user turn through the checkpoint's chat template (plain completion otherwise)
+        if pair.tokenizer.chat_template is None:
+            raise ValueError(f"{pair.verifier_dir}: --chat needs a chat template (tokenizer_config.json field "
+                             "'chat_template'); this checkpoint continues text only, so drop --chat")
+        prompt = pair.tokenizer.format_prompt([{"role": "user", "content": args.prompt}])
     if args.no_draft:
-        res = wb.generate_autoregressive(pair, args.prompt, args.max_new_tokens, args.temperature, args.top_p,
+        res = wb.generate_autoregressive(pair, prompt, args.max_new_tokens, args.temperature, args.top_p,
                                          args.top_k, args.seed, stop=args.stop, attention=args.attention,
                                          heal=args.heal, **constraints)
     else:
         dec = wb.SpecDecoder(pair, args.k, args.temperature, args.top_p, args.top_k, args.seed,
                              proposer=args.proposer, attention=args.attention, fused=_FUSED[args.fused],
                              acceptor=args.acceptor, draft_sampling=args.draft_sampling, **constraints)
-        res = dec.generate(args.prompt, args.max_new_tokens, stop=args.stop, heal=args.heal)
+        res = dec.generate(prompt, args.max_new_tokens, stop=args.stop, heal=args.heal)
     from workbench.analysis.degeneracy import detect_loop
 
     loop = detect_loop(res.tokens)  # a looping answer's accept length says little about the draft
@@ -108,7 +114,7 @@ def cmd_generate(args) -> int:
         print(json.dumps({**res.to_dict(), "loop": loop.to_dict(),
                           "accept_length_clean": None if loop.degenerate else res.stats.accept_length}))
     else:
-        print(args.prompt + res.text)
+        print(res.text if args.chat else args.prompt + res.text)
         s = res.stats
         clean = (f"clean n/a: it loops from token {loop.loop_start}, {loop.share:.0%} of its 6-grams repeat"
                  if loop.degenerate else f"clean {s.accept_length:.2f}, no loop")
@@ -383,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     _pair_args(p)
     _sampling_args(p)
     p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user turn through the checkpoint's chat template")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--heal", action="store_true",
                    help="token healing: back off the prompt's last token and let the first one extend it "
