@@ -170,7 +170,8 @@ def _compile_variant(v: Variant, compiler: _Compiler) -> dict:
     t = _launch_tensors(v)
     shapes = check_mla_inputs(t["q_lat"], t["q_pe"], t["cache"], t["seq_lens"], t["block_table"])
     plan = triton_mla.plan_launch(t["q_lat"], t["q_pe"], t["cache"], t["seq_lens"], 0.1,
-                                  t["block_table"], v.num_kv_splits, shapes, num_sms=132,
+                                  t["block_table"], v.num_kv_splits, shapes,
+                                  num_sms=132,  # only picks a split count; the variant names one
                                   capability=v.capability)
     config = dict(v.config) if v.config else plan.configs[0]
     stage1 = compiler.compile(triton_mla._mla_split_kernel, plan.stage1_args,

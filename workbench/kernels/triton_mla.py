@@ -287,13 +287,13 @@ def stage1_configs(rows: int, kv_lora: int, dtype: torch.dtype,
     * BLOCK_R 32: a [64, 512] fp32 accumulator (BLOCK_R 64, one program and one KV read for
       all 64 heads of a Kimi-K2 row group) spills at 8 warps on every target: sm_90 255
       registers and 280 B of spill stores per thread (216 KB shared; BLOCK_N 32: 76 B;
-      16 warps: 608 B), sm_100 20-92 B. The two row blocks of 64 heads run side by side and
+      16 warps: 624 B), sm_100 20-92 B. The two row blocks of 64 heads run side by side and
       share each KV tile through L2.
     * sm_90 and sm_100: BLOCK_N 64, 8 warps: 178-252 registers, no spills, 112 KB shared.
-    * sm_80: BLOCK_N 32, 8 warps: 169-186 registers, no spills, 74 KB (4 warps: 60 B spilled),
+    * sm_80: BLOCK_N 32, 8 warps: 169-186 registers, no spills, 74 KB (4 warps: 72 B spilled),
       so it also fits the 99 KB of sm_86/sm_89.
     * fp32 (IEEE dots on FMA units, tiles twice as wide): BLOCK_R 16, BLOCK_N 16, 8 warps,
-      73 KB (BLOCK_N 32 spills 8 B on sm_90 and 96 B on sm_80).
+      73 KB (BLOCK_N 32 spills 8 B on sm_90 and 104 B on sm_80).
     Not yet timed on a GPU: spill-free is the compile-time proxy for "streams at bandwidth".
     """
     block_l = max(16, triton.next_power_of_2(kv_lora))
