@@ -243,13 +243,19 @@ def compile_variants(variants: list[Variant], jobs: int | None = None) -> list[d
                 [sys.executable, "-m", "workbench.kernels.aot", "--worker", in_path, out_path],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out_path))
         by_label = {}
-        for proc, out_path in procs:
-            output, _ = proc.communicate(timeout=WORKER_TIMEOUT_S)
-            if proc.returncode != 0 or not os.path.exists(out_path):
-                raise RuntimeError(f"workbench/kernels/aot.py: compile worker exited "
-                                   f"{proc.returncode}:\n{output[-4000:]}")
-            for r in json.loads(Path(out_path).read_text()):
-                by_label[Variant.from_dict(r["variant"]).label()] = r
+        try:
+            for proc, out_path in procs:
+                output, _ = proc.communicate(timeout=WORKER_TIMEOUT_S)
+                if proc.returncode != 0 or not os.path.exists(out_path):
+                    raise RuntimeError(f"workbench/kernels/aot.py: compile worker exited "
+                                       f"{proc.returncode}:\n{output[-4000:]}")
+                for r in json.loads(Path(out_path).read_text()):
+                    by_label[Variant.from_dict(r["variant"]).label()] = r
+        finally:  # a failed or timed-out worker must not leave its siblings compiling
+            for proc, _ in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     return [by_label[v.label()] for v in variants]
 
 
