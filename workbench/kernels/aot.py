@@ -84,8 +84,10 @@ class Variant:
                 f"-H{self.heads}-splits{self.num_kv_splits}{tiles}")
 
 
-def variant_grid(archs=TARGETS, dtypes=DTYPES, paged=(False, True), query_tokens=QUERY_TOKENS,
-                 heads=HEADS, splits=SPLITS) -> list[Variant]:
+def variant_grid(archs: tuple[int, ...] = TARGETS, dtypes: tuple[str, ...] = DTYPES,
+                 paged: tuple[bool, ...] = (False, True),
+                 query_tokens: tuple[int, ...] = QUERY_TOKENS, heads: tuple[int, ...] = HEADS,
+                 splits: tuple[int, ...] = SPLITS) -> list[Variant]:
     """Every combination of the axes (the issue's grid is the default)."""
     return [Variant(a, d, p, q, h, s) for a in archs for d in dtypes for p in paged
             for q in query_tokens for h in heads for s in splits]

@@ -72,7 +72,8 @@ def environment() -> dict:
     return env
 
 
-def run(out: Path, pytest_args=DEFAULT_PYTEST_ARGS, **bench_kwargs) -> dict:
+def run(out: Path, pytest_args: list[str] | tuple[str, ...] = DEFAULT_PYTEST_ARGS,
+        **bench_kwargs) -> dict:
     """Tests, then the bench; writes and returns the report. Needs a CUDA GPU."""
     if not torch.cuda.is_available():
         raise RuntimeError(NEEDS_GPU)
@@ -94,6 +95,7 @@ def run(out: Path, pytest_args=DEFAULT_PYTEST_ARGS, **bench_kwargs) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--pytest-args` (shared by `bench-kernels --gpu-report`)."""
     parser.add_argument("--pytest-args", default=None,
                         help="what pytest runs, one shell-quoted string (default: tests/kernels "
                              "-q -k 'not aot': the parity tests, not the CPU-only compiles)")
@@ -115,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                          args.query_tokens)
 
 
-def run_from_args(out: Path, pytest_args: str | None, batches, contexts, query_tokens) -> int:
+def run_from_args(out: Path, pytest_args: str | None, batches: tuple[int, ...],
+                  contexts: tuple[int, ...], query_tokens: tuple[int, ...]) -> int:
     """Shared by `main` and `workbench bench-kernels --gpu-report`; 0 when every test passed."""
     if not torch.cuda.is_available():
         print(NEEDS_GPU, file=sys.stderr)
