@@ -359,7 +359,7 @@ def cmd_vllm_command(args) -> int:
 def cmd_bench_kernels(args) -> int:
     from workbench.kernels.bench import main as bench_main
 
-    return bench_main(["--json"] if args.json else [])
+    return bench_main(sys.argv[2:])  # its own parser: the bench, --aot and --gpu-report options
 
 
 def cmd_pretrain(args) -> int:
@@ -511,8 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or [[1, 16, 3], [17, 64, 1]] (as `sweep --batch-sizes` prints it)")
     p.set_defaults(fn=cmd_vllm_command)
 
-    p = sub.add_parser("bench-kernels", help="Triton MLA kernel GB/s and TFLOP/s (CUDA)")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("bench-kernels", add_help=False,
+                       help="Triton MLA kernel GB/s and TFLOP/s (CUDA); --aot: compiled for sm_80/90/100 "
+                            "(no GPU); --gpu-report OUT.json: parity tests + bench in one JSON")
     p.set_defaults(fn=cmd_bench_kernels)
 
     p = sub.add_parser("pretrain-verifier", help="pretrain the tiny-kimi verifier on a built Python corpus")
@@ -541,8 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
-    if argv and argv[0] in ("chat", "train-draft"):
-        args = argparse.Namespace(cmd=argv[0], fn={"chat": cmd_chat, "train-draft": cmd_train_draft}[argv[0]])
+    if argv and argv[0] in ("chat", "train-draft", "bench-kernels"):  # they parse their own argv
+        args = argparse.Namespace(cmd=argv[0], fn={"chat": cmd_chat, "train-draft": cmd_train_draft,
+                                                   "bench-kernels": cmd_bench_kernels}[argv[0]])
         sys.argv = ["workbench", *argv]
     else:
         args = ap.parse_args(argv)

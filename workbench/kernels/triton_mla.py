@@ -43,13 +43,15 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from workbench.kernels.reference import check_mla_inputs, check_mla_values
+from workbench.kernels.reference import MLAShapes, check_mla_inputs, check_mla_values
 
 # The interpreter is chosen when @triton.jit runs, i.e. when this module is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
@@ -107,7 +109,10 @@ def _attend_kv_range(acc, l_i, m_i, q_lat, q_pe, cache_base, block_table_row,
     return acc, l_i, m_i
 
 
-@triton.jit
+# Q_LEN and NUM_KV_SPLITS only set bounds outside the KV loop; specialising on the value 1 (as
+# Triton does by default) would double the binaries (decode and verification, one split or
+# several: compiled on the GPU at first use, and in the AOT tests) for no speed.
+@triton.jit(do_not_specialize=["Q_LEN", "NUM_KV_SPLITS"])
 def _mla_split_kernel(
     # pointers
     QLat, QPe, Cache, BlockTable, SeqLens, Out, Lse,
@@ -185,7 +190,7 @@ def _mla_split_kernel(
 # Stage 2: merge the splits of BLOCK_M (query token, head) rows of one sequence.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q_LEN"])  # as in stage 1: one binary for every Sq
 def _mla_merge_kernel(
     # pointers
     MidO, MidLse, Out, Lse,
@@ -254,35 +259,59 @@ def _device_props(device: torch.device) -> tuple[int, tuple[int, int]]:
     return 4, (0, 0)
 
 
+# What the config lists promise, per compute-capability major. `workbench/kernels/aot.py`
+# compiles every variant the wrapper launches for sm_80, sm_90 and sm_100 (tests/kernels/
+# test_aot.py) and holds the FIRST config of each list to these, so on those GPUs the launcher
+# never falls back (the fallbacks serve smaller parts, and tiles nobody has measured).
+# Shared memory: the smallest opt-in per-block maximum of the family, so one list serves it all:
+# 8.x includes sm_86/sm_89 (99 KB; sm_80 has 163 KB), 9.0 and 10.0 have 227 KB.
+SHARED_MEMORY_BUDGET = {8: 99 * 1024, 9: 227 * 1024, 10: 227 * 1024}
+# Spills: none. A spill is a local-memory store and load per KV tile (L1 at best, DRAM at worst)
+# in a loop that should only stream the cache.
+MAX_SPILL_BYTES = 0
+
+
+def config_budget(capability: tuple[int, int]) -> dict:
+    """The claim each list's first config must meet on `capability`: shared bytes and spills."""
+    return dict(shared_bytes=SHARED_MEMORY_BUDGET[capability[0]], spill_bytes=MAX_SPILL_BYTES)
+
+
 def stage1_configs(rows: int, kv_lora: int, dtype: torch.dtype,
                    capability: tuple[int, int]) -> list[dict]:
     """Block sizes for stage 1, best first; later entries are fallbacks if the first
     does not fit in shared memory/registers (checked at launch, see `_launch_stage1`).
 
-    BLOCK_R is 64 on Hopper so one program covers all 64 heads of a Kimi-K2 row group
-    (wgmma's M is 64), 32 elsewhere. At L = 512 the [64, 512] fp32 accumulator is 128
-    registers per thread at 8 warps. Offline sm_90 compiles (Triton 3.9 ptxas, bf16, paged)
-    of (BLOCK_R, BLOCK_N, warps, stages): (64, 64, 8, 2) 216 KB shared, 17 spill ops inside
-    the KV loop; (64, 32, 8, 2) 144 KB, 12; (64, 32, 4, 2) 509, hence 8 warps. fp32 tiles
-    are twice as wide and run on FMA units, hence BLOCK_R 16. Not yet timed on a GPU.
+    The first entry meets `config_budget` on sm_80, sm_90 and sm_100 (no spills), which the
+    AOT tests check by compiling for those targets with the pinned Triton (`bench-kernels
+    --aot` prints the table). Triton 3.9, L = 512, R = 64, 16-bit, 64 heads:
+    * BLOCK_R 32: a [64, 512] fp32 accumulator (BLOCK_R 64, one program and one KV read for
+      all 64 heads of a Kimi-K2 row group) spills at 8 warps on every target: sm_90 255
+      registers and 280 B of spill stores per thread (216 KB shared; BLOCK_N 32: 76 B;
+      16 warps: 624 B), sm_100 20-92 B. The two row blocks of 64 heads run side by side and
+      share each KV tile through L2.
+    * sm_90 and sm_100: BLOCK_N 64, 8 warps: 178-252 registers, no spills, 112 KB shared.
+    * sm_80: BLOCK_N 32, 8 warps: 169-186 registers, no spills, 74 KB (4 warps: 72 B spilled),
+      so it also fits the 99 KB of sm_86/sm_89.
+    * fp32 (IEEE dots on FMA units, tiles twice as wide): BLOCK_R 16, BLOCK_N 16, 8 warps,
+      73 KB (BLOCK_N 32 spills 8 B on sm_90 and 104 B on sm_80).
+    Not yet timed on a GPU: spill-free is the compile-time proxy for "streams at bandwidth".
     """
     block_l = max(16, triton.next_power_of_2(kv_lora))
-    big_r = 64 if capability[0] >= 9 else 32
-    block_r = max(16, min(big_r, triton.next_power_of_2(rows)))
+    block_r = max(16, min(32, triton.next_power_of_2(rows)))
     if capability == (0, 0):  # interpreter: 32 rows so CPU tests cover several row blocks
-        return [dict(BLOCK_R=min(block_r, 32), BLOCK_N=32, num_warps=4, num_stages=1)]
+        return [dict(BLOCK_R=block_r, BLOCK_N=32, num_warps=4, num_stages=1)]
     if dtype == torch.float32:
-        block_r, block_n = 16, 32
-    elif capability[0] >= 9:  # 228 KB of shared memory per SM
+        block_r, block_n = 16, 16
+    elif capability[0] >= 9:  # 227 KB of shared memory per block
         block_n = 64
-    else:  # Ampere/Ada: 100-164 KB
+    else:  # Ampere/Ada: 99-163 KB
         block_n = 32 if block_l >= 256 else 64
     warps = 8 if block_r * block_l >= 64 * 128 or dtype == torch.float32 else 4
     configs = [
         dict(BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=2),
         dict(BLOCK_R=block_r, BLOCK_N=32, num_warps=warps, num_stages=2),
         dict(BLOCK_R=block_r, BLOCK_N=16, num_warps=warps, num_stages=1),
-        dict(BLOCK_R=min(block_r, 32), BLOCK_N=16, num_warps=4, num_stages=1),
+        dict(BLOCK_R=block_r, BLOCK_N=16, num_warps=4, num_stages=1),
         dict(BLOCK_R=16, BLOCK_N=16, num_warps=4, num_stages=1),
     ]
     return [c for i, c in enumerate(configs) if c not in configs[:i]]
@@ -292,8 +321,8 @@ def choose_num_kv_splits(batch: int, row_blocks: int, capacity: int, num_sms: in
     """Splits per sequence: enough programs to cover the SMs once, each split >= 256 tokens.
 
     Uses the cache capacity rather than max(seq_lens) so choosing costs no device sync.
-    Kimi-K2 (H=64, Sq=1) on 132 SMs: B=1 -> 4/16/64 splits at 1k/4k/16k, B=8 -> 16,
-    B=32 -> 4, B=64 -> 2; with Sq=4 (4 row blocks) B>=32 -> 1.
+    Kimi-K2 (H=64, Sq=1: 2 row blocks of 32) on 132 SMs: B=1 -> 4/16/64 splits at
+    1k/4k/16k, B=8 -> 8, B=32 -> 2, B>=64 -> 1; with Sq=4 (8 row blocks) B>=16 -> 1.
     """
     by_sms = max(1, num_sms // max(1, batch * row_blocks))
     by_ctx = max(1, capacity // MIN_TOKENS_PER_SPLIT)
@@ -332,38 +361,38 @@ def _launch_stage1(grid, key: tuple, configs: list[dict], args: tuple, meta: dic
 # The wrapper: check constraints -> allocate -> launch.
 
 
-def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                         seq_lens: torch.Tensor, sm_scale: float, *,
-                         block_table: torch.Tensor | None = None,
-                         num_kv_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton MLA attention; same contract as `reference.mla_attention_torch`.
+@dataclass
+class LaunchPlan:
+    """Everything `mla_attention_triton` launches for one call, built without launching.
 
-    Returns (out [B, Sq, H, L] in q_lat's dtype, lse [B, Sq, H] fp32, natural log).
-    A row with no visible key gets out 0 and lse -inf. On CUDA nothing here syncs:
-    seq_lens values are not checked on the host (the kernel clamps them to the cache
-    capacity so a bad value cannot read out of bounds).
+    `workbench/kernels/aot.py` compiles exactly these arguments for GPUs that are not here,
+    so an AOT compile and a real launch see the same kernel specialisation.
     """
-    # long: checks, grid and the two launches (split, then combine) belong together
-    # 1. check constraints
-    shapes = check_mla_inputs(q_lat, q_pe, cache, seq_lens, block_table)
-    device = q_lat.device
-    if device.type == "cpu":
-        if not INTERPRETED:
-            raise RuntimeError("workbench/kernels/triton_mla.py: CPU tensors need the Triton "
-                               "interpreter; set TRITON_INTERPRET=1 before triton is imported")
-        check_mla_values(shapes, cache, seq_lens, block_table)  # cheap on CPU
-    if num_kv_splits is not None and not (isinstance(num_kv_splits, int) and num_kv_splits >= 1):
-        raise ValueError(f"workbench/kernels/triton_mla.py: num_kv_splits must be an int "
-                         f">= 1 or None, got {num_kv_splits!r}")
+    out: torch.Tensor
+    lse: torch.Tensor
+    configs: list[dict]  # stage-1 block sizes, best first
+    key: tuple  # what `_CONFIG_CACHE` remembers the chosen config under
+    grid: Callable[[dict], tuple[int, int, int]]  # stage-1 grid for a config
+    stage1_args: tuple
+    stage1_meta: dict  # constexprs besides the config's
+    merge_grid: tuple[int, int] | None  # None: one split, stage 1 writes `out` itself
+    merge_args: tuple = ()
+    merge_meta: dict = field(default_factory=dict)
+
+
+def plan_launch(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                seq_lens: torch.Tensor, sm_scale: float, block_table: torch.Tensor | None,
+                num_kv_splits: int | None, shapes: MLAShapes, num_sms: int,
+                capability: tuple[int, int]) -> LaunchPlan:
+    """Allocate the outputs and partials and build both kernels' arguments for `capability`."""
     batch, q_len, heads, kv_lora = q_lat.shape
     rows = q_len * heads
-    capability = _device_props(device)[1]
+    device = q_lat.device
     configs = stage1_configs(rows, kv_lora, q_lat.dtype, capability)
     if num_kv_splits is None:
-        num_kv_splits = default_num_kv_splits(batch, q_len, heads, kv_lora, shapes.capacity,
-                                              q_lat.dtype, device)
+        row_blocks = triton.cdiv(rows, configs[0]["BLOCK_R"])
+        num_kv_splits = choose_num_kv_splits(batch, row_blocks, shapes.capacity, num_sms)
 
-    # 2. allocate
     out = torch.empty_like(q_lat)
     lse = torch.empty((batch, q_len, heads), dtype=torch.float32, device=device)
     if num_kv_splits == 1:  # stage 1 writes the final result; stage 2 is not needed
@@ -374,7 +403,6 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
         mid_lse = torch.empty((batch, q_len, heads, num_kv_splits),
                               dtype=torch.float32, device=device)
 
-    # 3. launch
     block_table_arg = block_table if block_table is not None else seq_lens  # never read
     bt_strides = block_table.stride() if block_table is not None else (0, 0)
     block_l = max(16, triton.next_power_of_2(kv_lora))
@@ -388,19 +416,51 @@ def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.T
     meta = dict(BLOCK_L=block_l, BLOCK_P=max(16, triton.next_power_of_2(shapes.rope)),
                 PAGED=shapes.paged, UPCAST=INTERPRETED,
                 DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32")
-    key = (capability, q_lat.dtype, rows, kv_lora, shapes.rope, shapes.paged)
-    _launch_stage1(lambda cfg: (batch, triton.cdiv(rows, cfg["BLOCK_R"]), num_kv_splits),
-                   key, configs, args, meta)
+    plan = LaunchPlan(
+        out=out, lse=lse, configs=configs,
+        key=(capability, q_lat.dtype, rows, kv_lora, shapes.rope, shapes.paged),
+        grid=lambda cfg: (batch, triton.cdiv(rows, cfg["BLOCK_R"]), num_kv_splits),
+        stage1_args=args, stage1_meta=meta, merge_grid=None)
     if num_kv_splits > 1:
         # [8, 512] fp32 tiles keep registers low on the GPU; the interpreter prefers big tiles
         block_m = 64 if INTERPRETED else 8
-        _mla_merge_kernel[(batch, triton.cdiv(rows, block_m))](
-            mid_o, mid_lse, out, lse,
-            q_len, heads, kv_lora, num_kv_splits,
-            *mid_o.stride(), *mid_lse.stride(), *out.stride(), *lse.stride(),
-            BLOCK_M=block_m, BLOCK_L=block_l, num_warps=4,
-        )
-    return out, lse
+        plan.merge_grid = (batch, triton.cdiv(rows, block_m))
+        plan.merge_args = (mid_o, mid_lse, out, lse, q_len, heads, kv_lora, num_kv_splits,
+                           *mid_o.stride(), *mid_lse.stride(), *out.stride(), *lse.stride())
+        plan.merge_meta = dict(BLOCK_M=block_m, BLOCK_L=block_l, num_warps=4)
+    return plan
+
+
+def mla_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                         seq_lens: torch.Tensor, sm_scale: float, *,
+                         block_table: torch.Tensor | None = None,
+                         num_kv_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton MLA attention; same contract as `reference.mla_attention_torch`.
+
+    Returns (out [B, Sq, H, L] in q_lat's dtype, lse [B, Sq, H] fp32, natural log).
+    A row with no visible key gets out 0 and lse -inf. On CUDA nothing here syncs:
+    seq_lens values are not checked on the host (the kernel clamps them to the cache
+    capacity so a bad value cannot read out of bounds).
+    """
+    # 1. check constraints
+    shapes = check_mla_inputs(q_lat, q_pe, cache, seq_lens, block_table)
+    device = q_lat.device
+    if device.type == "cpu":
+        if not INTERPRETED:
+            raise RuntimeError("workbench/kernels/triton_mla.py: CPU tensors need the Triton "
+                               "interpreter; set TRITON_INTERPRET=1 before triton is imported")
+        check_mla_values(shapes, cache, seq_lens, block_table)  # cheap on CPU
+    if num_kv_splits is not None and not (isinstance(num_kv_splits, int) and num_kv_splits >= 1):
+        raise ValueError(f"workbench/kernels/triton_mla.py: num_kv_splits must be an int "
+                         f">= 1 or None, got {num_kv_splits!r}")
+    # 2. allocate and build the arguments, 3. launch
+    num_sms, capability = _device_props(device)
+    plan = plan_launch(q_lat, q_pe, cache, seq_lens, sm_scale, block_table, num_kv_splits,
+                       shapes, num_sms, capability)
+    _launch_stage1(plan.grid, plan.key, plan.configs, plan.stage1_args, plan.stage1_meta)
+    if plan.merge_grid is not None:
+        _mla_merge_kernel[plan.merge_grid](*plan.merge_args, **plan.merge_meta)
+    return plan.out, plan.lse
 
 
 # %%
