@@ -125,6 +125,9 @@ def aux_ids_check(draft: DraftConfig, verifier: VerifierConfig):
     if nested is None:
         return _check("nested aux ids", "ok", f"{vllm} ({draft.aux_ids_source}); eagle_config agrees or names none")
     nested = list(nested)
+    if [i + 1 for i in nested] == vllm and draft.aux_ids_source == "top-level":
+        return _check("nested aux ids", "ok", f"eagle_config names {nested}, the top level {vllm}: the same states, "
+                      f"as 'output of layer i' (SGLang, trainers) and capture-before (vLLM)")
     if [i + 1 for i in nested] == vllm:
         return _check("nested aux ids", "info",
                       f"eagle_config names {nested}, vLLM captures {vllm} ({draft.aux_ids_source}): the same states "
