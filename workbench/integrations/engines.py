@@ -145,8 +145,8 @@ def disagreements(readings: dict[str, Reading], trained: tuple[int, ...] | None 
     base = trained if trained is not None else readings["vllm"].ids
     for r in readings.values():
         if r.ids == base:
-            continue
-        if trained is not None:
+            pass
+        elif trained is not None:
             lines.append(f"{r.engine} fuses the states entering layers {list(r.ids)} ({r.source}), the draft was "
                          f"trained on {list(base)}: under {r.engine} it runs on other hidden states")
         else:

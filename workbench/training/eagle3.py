@@ -106,7 +106,7 @@ def ttt_loss(draft: Eagle3Draft, verifier: Verifier, ids: torch.Tensor, ttt_step
         accs.append(float(((logits.argmax(-1) == tgt.argmax(-1)).float() * mask).sum() / denom))
         h = post if draft.norm_output else pre  # what inference feeds back (EAGLE-3.1: the post-norm state)
         step_ids = shift_left(step_ids)
-    return total, StepMetrics(float(total), losses, accs)
+    return total, StepMetrics(float(total.detach()), losses, accs)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.05) -> float:
