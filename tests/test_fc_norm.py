@@ -187,3 +187,21 @@ def test_the_doctor_shows_fc_norm_and_measures_vllms_reading(dirs):
     assert "no fc_norm" in vllm.description and vllm.make is not None
     probe = vllm.make()
     assert "fc_norm" not in probe.plain[1]._modules and "fc_norm" in pair.plain[1]._modules
+
+
+def test_the_compiled_chain_runs_fc_norm(dirs):
+    """torch.compile traces combine_hidden_states with the norms inside the chain's one graph: the
+    compiled draft proposes what the plain one does (fp32, probabilities to 1e-5)."""
+    from workbench.compiled import compile_models
+
+    vdir, _, fdir = dirs
+    pair = wb.load_pair(vdir, fdir, fast="off")
+    (fast,) = compile_models(pair.draft)
+    ids = [5, 9, 200, 31, 7, 77, 3]
+    with torch.inference_mode():
+        out = pair.verifier(torch.tensor([ids]), pair.verifier.new_cache(64))
+        x = torch.tensor([ids[1:] + [42]])
+        got = fast.greedy_chain(x, out.aux_hidden_states, fast.new_cache(64), 3)
+        want = pair.draft.greedy_chain(x, out.aux_hidden_states, pair.draft.new_cache(64), 3)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
