@@ -24,7 +24,7 @@ doctor's probes the layer ids each reading of a draft config implies.
 from __future__ import annotations
 
 from workbench.config import DraftConfig, VerifierConfig
-from workbench.integrations.engines import config_view, disagreements, engine_readings
+from workbench.integrations.engines import cannot_run, config_view, engine_readings, problems
 
 # vLLM's ModelConfig.is_deepseek_mla model types (the arch-config convertor, 2026 versions).
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_mtp", "kimi_k2", "kimi_linear",
@@ -142,13 +142,11 @@ def engine_check(draft: DraftConfig, verifier: VerifierConfig):
     """Which states vLLM and SGLang would fuse for this config; fail where an engine captures layers
     the verifier lacks, warn where engines disagree or drop an EAGLE-3.1 flag the draft has."""
     readings = engine_readings(config_view(draft), verifier.num_hidden_layers)
-    problems = [p for r in readings.values() for p in r.problems]
-    problems += disagreements(readings, None, draft.fc_norm, draft.norm_output)
-    broken = any("outside the verifier's layers" in p or "sizes fc for" in p for p in problems)
+    found = problems(readings, draft.fc_norm, draft.norm_output)
     detail = "; ".join(r.describe() for r in readings.values())
-    if problems:
-        detail += " - " + "; ".join(dict.fromkeys(problems))
-    return _check("engine readings", "fail" if broken else "warn" if problems else "ok", detail)
+    if found:
+        detail += " - " + "; ".join(found)
+    return _check("engine readings", "fail" if cannot_run(found) else "warn" if found else "ok", detail)
 
 
 def eagle31_check(draft: DraftConfig):

@@ -18,16 +18,14 @@ SGLang (`kimi_k25_eagle3.py`, the targets' `set_eagle3_layers_to_capture`):
 - fc is sized for as many states as eagle_config lists (else the top-level list, else 3);
   `fc_norm` (or `use_aux_norm`) and `norm_output` are applied.
 
-`engine_readings(config, L)` gives each engine's `Reading`; `fused_states` the layer ids alone.
+`engine_readings(config, L)` gives each engine's `Reading`; `fused_states` the layer ids alone;
+`problems` what goes wrong where, which the loader logs and the doctor's "engine readings" check shows.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
-# The readings `engine_readings` returns, in this order. "sglang" is the +1 reading (SGLang before
-# #25454, and after it for ids starting at 1); "sglang#25454" appears only where it differs.
-ENGINES = ("vllm", "sglang", "sglang#25454")
 
 
 @dataclass(frozen=True)
@@ -36,7 +34,7 @@ class Reading:
 
     engine: str
     ids: tuple[int, ...]  # capture-before ids the verifier captures (may be out of range: see problems)
-    source: str  # where they came from: "top-level" | "eagle_config" | "default"
+    source: str  # where they came from: "top-level" | "eagle_config +1" | "eagle_config as written" | "default"
     fc_states: int  # how many aux states the engine sizes fc for
     fc_norm: bool  # whether it applies the per-state norms before fc
     norm_output: bool  # whether it feeds back the post-norm state
@@ -107,8 +105,9 @@ def sglang_reading(config: dict, num_layers: int, since_25454: bool = False) -> 
 
 
 def engine_readings(config: dict, num_layers: int) -> dict[str, Reading]:
-    """vLLM's and SGLang's readings of a draft config.json (a dict) for an L-layer verifier; SGLang's
-    #25454 rule only where it captures other layers than the +1 rule."""
+    """vLLM's and SGLang's readings of a draft config.json (a dict) for an L-layer verifier, as
+    {"vllm", "sglang"} and, only where it captures other layers than the +1 rule (SGLang before
+    #25454, and after it for lists starting at 1), "sglang#25454"."""
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers = {num_layers!r}; expected the verifier's num_hidden_layers (>= 1)")
     out = {"vllm": vllm_reading(config, num_layers), "sglang": sglang_reading(config, num_layers)}
@@ -157,3 +156,15 @@ def disagreements(readings: dict[str, Reading], trained: tuple[int, ...] | None 
         if norm_output and not r.norm_output:
             lines.append(f"{r.engine} feeds back the pre-norm state: the draft was trained with norm_output")
     return lines
+
+
+def problems(readings: dict[str, Reading], fc_norm: bool = False, norm_output: bool = False) -> list[str]:
+    """Every reading's own problems, then where the engines disagree (`disagreements`), once each."""
+    found = [p for r in readings.values() for p in r.problems] + disagreements(readings, None, fc_norm, norm_output)
+    return list(dict.fromkeys(found))
+
+
+def cannot_run(lines: list[str]) -> bool:
+    """Whether one of `problems`' lines says an engine cannot run the draft at all (layers it lacks,
+    an fc of another width), rather than runs it differently."""
+    return any("outside the verifier's layers" in p or "sizes fc for" in p for p in lines)
