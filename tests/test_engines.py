@@ -156,6 +156,8 @@ def test_vllm_drops_eagle31_flags_and_sglang_keeps_them():
     assert (r["vllm"].fc_norm, r["vllm"].norm_output, r["sglang"].fc_norm, r["sglang"].norm_output) == (
         False, False, True, True)
     assert any("skips fc_norm" in p for p in r["vllm"].problems) and not r["sglang"].problems
+    nbr = engine_readings(dict(config, use_aux_norm=False, norm_output=False, norm_before_residual=True), 8)
+    assert not nbr["vllm"].problems and "does not read norm_before_residual" in nbr["sglang"].problems[0]
     with pytest.raises(ValueError, match="num_layers = 0; expected the verifier's num_hidden_layers"):
         engine_readings(config, 0)
 

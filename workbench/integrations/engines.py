@@ -16,7 +16,7 @@ SGLang (`kimi_k25_eagle3.py`, the targets' `set_eagle3_layers_to_capture`):
   id is 1, taking other lists as capture-before ("sglang#25454" below); an export whose nested
   ids start at 1 reads the same under both;
 - fc is sized for as many states as eagle_config lists (else the top-level list, else 3);
-  `fc_norm` (or `use_aux_norm`) and `norm_output` are applied.
+  `fc_norm` (or `use_aux_norm`) and `norm_output` are applied; vLLM's `norm_before_residual` is not.
 
 `engine_readings(config, L)` gives each engine's `Reading`; `fused_states` the layer ids alone;
 `problems` what goes wrong where, which the loader logs and the doctor's "engine readings" check shows.
@@ -101,6 +101,9 @@ def sglang_reading(config: dict, num_layers: int, since_25454: bool = False) -> 
     if fc_states != len(ids):
         problems.append(f"{engine} sizes fc for {fc_states} states but captures {len(ids)}")
     fc_norm, norm_output = _flags(config)
+    if config.get("norm_before_residual"):
+        problems.append(f"{engine}'s MLA draft layer does not read norm_before_residual: its residual is the "
+                        f"un-normed state")
     return Reading(engine, ids, source, fc_states, fc_norm, norm_output, tuple(problems))
 
 
@@ -133,6 +136,7 @@ def config_view(draft_config) -> dict:
     if nested is not None:
         view["eagle_config"][AUX_IDS_KEY] = list(nested)
     view["fc_norm"], view["norm_output"] = draft_config.fc_norm, draft_config.norm_output
+    view["norm_before_residual"] = draft_config.norm_before_residual
     return view
 
 
