@@ -52,7 +52,8 @@ def test_the_rules_restated():
 
 def test_main_export_of_the_embedded_draft_fused_other_states_under_sglang():
     """The issue's figure: [2, 4, 5] at the top level and in eagle_config fuses (3, 5, 6) under SGLang."""
-    old = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}
+    ids = [2, 4, 5]
+    old = {"eagle_aux_hidden_state_layer_ids": ids, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
     assert fused_states(old, 8) == {"vllm": (2, 4, 5), "sglang": (3, 5, 6), "sglang#25454": (2, 4, 5)}
 
 
