@@ -228,9 +228,14 @@ def test_draft_aux_ids_read_as_vllm_reads_them():
     assert (same.aux_ids_source, same.nested_aux_layer_ids) == ("default", None)
     alone = DraftConfig.from_hf(torchspec)  # no verifier to take a default from: the nested ids, marked so
     assert (alone.aux_layer_ids, alone.aux_ids_source) == ((1, 29, 57), "eagle_config")
-    out = c.to_hf()  # both places, so vLLM and the trainers' readers agree
-    nested = out["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    assert out["eagle_aux_hidden_state_layer_ids"] == nested == [3, 31, 59]
+    out = c.to_hf()  # top level capture-before (vLLM); eagle_config "output of layer i" (SGLang, trainers)
+    assert out["eagle_aux_hidden_state_layer_ids"] == [3, 31, 59]
+    assert out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]
+    back = DraftConfig.from_hf(out, num_target_layers=61)
+    assert (back.aux_layer_ids, back.eagle_config_aux_ids) == ((3, 31, 59), (2, 30, 58))
+    zero = dict(torchspec, eagle_aux_hidden_state_layer_ids=[0, 31, 59])  # the embedding output has no "output of"
+    assert "eagle_aux_hidden_state_layer_ids" not in DraftConfig.from_hf(zero, num_target_layers=61).to_hf()[
+        "eagle_config"]
     with pytest.raises(ConfigError, match=r"field 'eagle_aux_hidden_state_layer_ids' = 30; expected a list"):
         DraftConfig.from_hf(dict(torchspec, eagle_aux_hidden_state_layer_ids=30), num_target_layers=61)
     with pytest.raises(ConfigError, match=r"= \[1, 2\] \(top-level\); expected 3 integer layer ids"):
@@ -300,7 +305,8 @@ def test_transformers_reads_our_draft_config(tmp_path):
     hf = transformers.AutoConfig.from_pretrained(tmp_path)
     assert type(hf).__name__ == "DeepseekV3Config"
     assert (hf.num_hidden_layers, hf.hidden_size, hf.q_lora_rank, hf.rms_norm_eps) == (1, 7168, 1536, 1e-5)
-    assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]
+    assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]  # "output of layer i"
+    assert hf.eagle_aux_hidden_state_layer_ids == [2, 30, 58]
 
 
 @pytest.mark.parametrize("q_lora_rank", [24, None])

@@ -261,6 +261,21 @@ def test_live_vllm_real_server(app, metrics_server):
     assert at.metric[0].value == f"{1 + 30 / 18:.3f}"
 
 
+def test_live_page_reads_an_sglang_server(app, metrics_server):
+    """SGLang's names (tests/test_sglang.py builds its body): the same charts from its counters."""
+    from tests.test_sglang import sglang_body
+
+    metrics_server["body"] = sglang_body(verify=10, generated=31, requests=4)
+    at = live_page(app, metrics_server["url"])
+    assert at.metric[0].value == "2.700" and at.metric[3].value == "SGLANG"  # 1 + 17 / 10
+    assert "sglang:spec_accept_length (its last logged batch): 2.600" in at.main.caption[-1].value
+    metrics_server["body"] = sglang_body(verify=16, generated=53, requests=6)
+    at.button(key="live_poll").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(charts(at)) == 4
+    assert "6 drafts, 14 accepted of 18 drafted" in at.main.caption[-1].value
+
+
 def test_live_vllm_without_spec_metrics(app, metrics_server):
     metrics_server["body"] = vllm_body(0, 0, 0, [], spec=False)
     at = live_page(app, metrics_server["url"])

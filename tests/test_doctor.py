@@ -130,6 +130,8 @@ def test_generation_and_first_proposals_match_the_engine(copy_dirs):
 def test_static_checks(copy_dirs):
     pair = wb.load_pair(*copy_dirs)
     by_name = {c.name: c for c in static_checks(pair)}
+    engines = by_name.pop("engine readings")  # ids (1, 2, 4): no eagle_config list reads alike in every SGLang
+    assert engines.status == "warn" and "sglang#25454 fuses the states entering layers [0, 1, 3]" in engines.detail
     assert all(c.status in ("ok", "info") for c in by_name.values()), by_name
     assert by_name["tokenizer"].detail.startswith("8192 tokens")
     cfg = pair.draft.config
@@ -157,7 +159,8 @@ def test_correct_pairing_is_not_flagged(copy_dirs):
     assert "3.000 (clean n/a, 1 of 1 loop)" in report.summary()
     assert next(c for c in report.checks if c.name == "prompts").status == "ok"
     probes = {p.name.split(" [")[0]: p for p in report.probes}
-    assert probes["aux ids -1"].accept_length < 1.5 and not probes["aux ids -1"].flagged
+    # ids (1, 2, 4) -1: what SGLang since #25454 captures from eagle_config [0, 1, 3] (a first id other than 1)
+    assert probes["sglang#25454 reading"].accept_length < 1.5 and not probes["sglang#25454 reading"].flagged
     assert probes["aux ids +1"].skipped and "[5]" in probes["aux ids +1"].skipped
     assert probes["verifier embedding"].skipped  # this draft ships no embedding
     json.dumps(report.to_dict())
@@ -183,7 +186,8 @@ def test_shifted_aux_ids_are_flagged(copy_dirs, tmp_path):
     report = diagnose(pair, PROMPTS[:1], k=2, max_new_tokens=7)  # 1 + 3 + 3: no shortened step
     assert not report.ok
     flagged = [p for p in report.probes if p.flagged]
-    assert [p.name for p in flagged] == ["aux ids +1 [1, 2, 4]"] and flagged[0].accept_length == 3.0
+    # the list written in both places: SGLang reads eagle_config's as "output of layer i", which it was
+    assert [p.name for p in flagged] == ["sglang reading [1, 2, 4]"] and flagged[0].accept_length == 3.0
     assert flagged[0].test == "first proposals" and flagged[0].z > 2
     assert report.configured.accept_length < MIN_ACCEPT
     assert any("the draft is dead" in f for f in report.flags)
@@ -192,8 +196,8 @@ def test_shifted_aux_ids_are_flagged(copy_dirs, tmp_path):
 
 def test_nested_aux_ids_are_read_as_vllm_reads_them_and_each_reading_is_measured(copy_dirs, tmp_path):
     """A SpecForge/TorchSpec-style draft: ids only in eagle_config, written as 'output of layer i'.
-    vLLM ignores them and captures its default; the doctor measures every reading and flags the one
-    the draft was trained on."""
+    vLLM ignores them and captures its default; the doctor measures every reading (each engine's) and
+    flags the one the draft was trained on."""
     out = tmp_path / "nested"
     shutil.copytree(copy_dirs[1], out)
     cfg = json.loads((out / "config.json").read_text())
@@ -203,10 +207,10 @@ def test_nested_aux_ids_are_read_as_vllm_reads_them_and_each_reading_is_measured
     pair = wb.load_pair(copy_dirs[0], out)
     assert pair.verifier.aux_layer_ids == (2, 2, 2)  # vLLM's default for 5 layers: (2, L // 2, L - 3)
     report = diagnose(pair, PROMPTS[:1], k=2, max_new_tokens=7)
-    probes = {p.name: p for p in report.probes}
-    assert probes["eagle_config+1 reading [1, 2, 4]"].accept_length == 3.0
-    assert probes["eagle_config+1 reading [1, 2, 4]"].flagged
-    assert probes["eagle_config reading [0, 1, 3]"].accept_length < 1.5
+    probes = {p.name: p for p in report.probes}  # named by the engine that reads the ids so (SGLang: +1)
+    assert probes["sglang reading [1, 2, 4]"].accept_length == 3.0
+    assert probes["sglang reading [1, 2, 4]"].flagged
+    assert probes["sglang#25454 reading [0, 1, 3]"].accept_length < 1.5  # a first id other than 1: as written
     assert report.configured.accept_length < MIN_ACCEPT and not report.ok
     checks = {c.name: c for c in report.checks}
     assert checks["nested aux ids"].status == "warn"
@@ -259,4 +263,6 @@ def test_trained_embedded_pair_flags_shifted_ids(embedded_pair, tmp_path):
     shifted = diagnose(pair, prompts, k=3, max_new_tokens=16)
     assert not shifted.ok
     back = [p for p in shifted.probes if p.flagged]
-    assert [p.name for p in back] == [f"aux ids +1 {list(embedded_pair.draft.config.aux_layer_ids)}"], shifted.summary()
+    # one list in both places: SGLang reads eagle_config's as "output of layer i" (+1), the trained ids
+    assert [p.name for p in back] == [f"sglang reading {list(embedded_pair.draft.config.aux_layer_ids)}"], \
+        shifted.summary()

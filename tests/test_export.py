@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import workbench as wb
 from tests.helpers import EMBEDDED, make_random_pair
+from workbench.integrations.engines import fused_states
 from workbench.integrations.vllm import export_draft
 
 VOCAB = 512
@@ -69,7 +70,9 @@ def check_vllm_draft_dir(directory: Path, verifier_cfg, rope=None) -> dict:
     assert c["model_type"] == "kimi_k2"
     read = vllm_reads(c, verifier_cfg.num_hidden_layers)
     assert read["model_type"] == "kimi_k2" and read["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
-    assert list(read["aux_layer_ids"]) == c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]  # same ids, both places
+    # eagle_config says the same states as "output of layer i" (SGLang, trainers): one less
+    assert [i - 1 for i in read["aux_layer_ids"]] == c["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert fused_states(c, verifier_cfg.num_hidden_layers)["sglang"] == read["aux_layer_ids"]
     rope = rope or {f: getattr(verifier_cfg, f) for f in ("rope_theta", "rope_scaling", "max_position_embeddings")}
     assert c["rope_theta"] == rope["rope_theta"] and c["max_position_embeddings"] == rope["max_position_embeddings"]
     assert {k: v for k, v in c["rope_scaling"].items() if k not in ("rope_type", "rope_theta")} == rope["rope_scaling"]
@@ -82,7 +85,7 @@ def check_vllm_draft_dir(directory: Path, verifier_cfg, rope=None) -> dict:
     eagle = c["eagle_config"]
     aux = eagle["eagle_aux_hidden_state_layer_ids"]
     assert eagle["use_aux_hidden_state"] is True and len(aux) == 3
-    assert all(isinstance(i, int) and 0 <= i < verifier_cfg.num_hidden_layers for i in aux)
+    assert all(isinstance(i, int) and 0 <= i + 1 < verifier_cfg.num_hidden_layers for i in aux)
     for key in ("rms_norm_eps", "rope_theta", "max_position_embeddings", "intermediate_size", "bos_token_id",
                 "eos_token_id"):
         assert key in c, key
@@ -115,6 +118,8 @@ def check_vllm_draft_dir(directory: Path, verifier_cfg, rope=None) -> dict:
                      a + "q_b_proj.weight": [N * (P + R), Lq]})
     if Vd < c["vocab_size"]:
         want["d2t"] = [Vd]
+    if c.get("fc_norm"):  # EAGLE-3.1: under the names SGLang loads
+        want.update({f"fc_norm.{i}.weight": [H] for i in range(3)})
     header = safetensors_header(directory / "model.safetensors")
     assert set(header) == set(want), f"extra {set(header) - set(want)}, missing {set(want) - set(header)}"
     for name, shape in want.items():
@@ -130,7 +135,7 @@ def check_vllm_draft_dir(directory: Path, verifier_cfg, rope=None) -> dict:
     hf = transformers.DeepseekV3Config.from_pretrained(directory)
     assert (hf.num_hidden_layers, hf.hidden_size, hf.kv_lora_rank) == (1, H, L)
     assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == aux and hf.draft_vocab_size == Vd
-    assert list(hf.eagle_aux_hidden_state_layer_ids) == aux  # getattr(hf_config, ...) is how vLLM reads them
+    assert list(hf.eagle_aux_hidden_state_layer_ids) == [i + 1 for i in aux]  # getattr(hf_config, ...): vLLM
     return c
 
 
@@ -162,7 +167,7 @@ def reload_and_compare(pair, export_dir: Path, exact: bool) -> None:
 def test_export_random_pair_fp32_reloads_identically(random_pair, tmp_path):
     out = export_draft(random_pair, tmp_path / "vllm", dtype="float32")
     c = check_vllm_draft_dir(out, random_pair.verifier.config)
-    assert c["draft_vocab_size"] == VOCAB and c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert c["draft_vocab_size"] == VOCAB and c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     stored = load_file(out / "model.safetensors")
     assert torch.equal(stored["lm_head.weight"], random_pair.verifier.lm_head.weight)  # copied from the verifier
     for name, t in random_pair.draft.state_dict().items():

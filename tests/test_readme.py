@@ -106,6 +106,13 @@ def test_vllm_command_is_the_one_the_readme_shows():
     assert out.returncode == 0 and out.stdout.strip() == shown
 
 
+def test_sglang_command_is_the_one_the_readme_shows():
+    shown = next(ln for ln in README.splitlines() if ln.startswith("# python -m sglang.launch_server"))[2:]
+    out = _run(["sglang-command", "--verifier-name", "moonshotai/Kimi-K2.7-Code",
+                "--draft-name", "k-l-lambda/kimi-k2.7-code-eagle3-mla", "--k", "3", "--tp", "8"])
+    assert out.returncode == 0 and out.stdout.strip() == shown
+
+
 def test_export_vllm_example_runs(tmp_path):
     out = _run(["export-vllm", str(tmp_path / "draft-vllm"), "--json"])
     assert out.returncode == 0, out.stderr

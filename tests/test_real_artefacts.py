@@ -259,11 +259,12 @@ def test_torchspec_draft_exports_as_vllm_reads_it():
     out = export_config(dc, vc)
     assert vllm_reads(out, vc.num_hidden_layers) == {
         "model_type": "kimi_k2", "architectures": ["Eagle3DeepseekV2ForCausalLM"], "aux_layer_ids": (2, 30, 58)}
-    assert out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]
+    assert out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]  # as TorchSpec wrote it
     assert (out["max_position_embeddings"], out["rope_theta"]) == (262144, 50000.0)
     assert out["rope_scaling"]["beta_fast"] == 32.0  # the verifier's, not the config's 1.0
     back = DraftConfig.from_hf(out, "export", vc.num_hidden_layers)
-    assert (back.aux_layer_ids, back.aux_ids_source, back.nested_aux_layer_ids) == ((2, 30, 58), "top-level", None)
+    assert (back.aux_layer_ids, back.aux_ids_source, back.nested_aux_layer_ids) == ((2, 30, 58), "top-level",
+                                                                                    (1, 29, 57))
     assert back.rope_scaling == vc.rope_scaling and back.unstated == ()
 
 

@@ -356,6 +356,14 @@ def cmd_vllm_command(args) -> int:
     return 0
 
 
+def cmd_sglang_command(args) -> int:
+    from workbench.integrations.sglang import serve_command
+
+    print(serve_command(args.verifier_name, args.draft_name, k=args.k, tp=args.tp, port=args.port,
+                        metrics=not args.no_metrics))
+    return 0
+
+
 def cmd_bench_kernels(args) -> int:
     from workbench.kernels.bench import main as bench_main
 
@@ -491,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft")
     p.set_defaults(fn=cmd_dashboard)
 
-    p = sub.add_parser("export-vllm", help="write the draft as vLLM's Eagle3DeepseekV2ForCausalLM loads it")
+    p = sub.add_parser("export-vllm", help="write the draft as vLLM's and SGLang's Eagle3DeepseekV2ForCausalLM load it")
     p.add_argument("out")
     p.add_argument("--verifier")
     p.add_argument("--draft")
@@ -510,6 +518,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help='k by batch size, vLLM\'s num_speculative_tokens_per_batch_size: {"1-16": 3, "17-64": 1} '
                         "or [[1, 16, 3], [17, 64, 1]] (as `sweep --batch-sizes` prints it)")
     p.set_defaults(fn=cmd_vllm_command)
+
+    p = sub.add_parser("sglang-command", help="the `python -m sglang.launch_server` command for a pair")
+    p.add_argument("--verifier-name", default="moonshotai/Kimi-K2.7-Code")
+    p.add_argument("--draft-name", default="k-l-lambda/kimi-k2.7-code-eagle3-mla")
+    p.add_argument("--k", type=int, default=3, help="--speculative-num-steps (chain: topk 1, k + 1 draft tokens)")
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--no-metrics", action="store_true", help="leave out --enable-metrics (the live view reads it)")
+    p.set_defaults(fn=cmd_sglang_command)
 
     p = sub.add_parser("bench-kernels", add_help=False,
                        help="Triton MLA kernel GB/s and TFLOP/s (CUDA); --aot: compiled for sm_80/90/100 "

@@ -332,6 +332,7 @@ class DraftConfig(MLADims):
     use_aux_hidden_state: bool = True
     norm_before_residual: bool = False  # vLLM flag: residual = hidden_norm(h) instead of h
     norm_output: bool = False  # EAGLE-3.1: feed back the post-norm state
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm on each aux state before fc (`fc_norm` or `use_aux_norm`)
     num_key_value_heads: int = 0  # MHA draft only
     head_dim: int = 0  # MHA draft only
     bos_token_id: int | None = None
@@ -340,6 +341,7 @@ class DraftConfig(MLADims):
     # Provenance, not identity (left out of ==, so a saved config reads back equal):
     aux_ids_source: str = field(default="", compare=False)  # "top-level" | "eagle_config" | "default"
     nested_aux_layer_ids: tuple[int, ...] | None = field(default=None, compare=False)  # eagle_config's, if other
+    eagle_config_aux_ids: tuple[int, ...] | None = field(default=None, compare=False)  # eagle_config's, as written
     unstated: tuple[str, ...] = field(default=(), compare=False)  # fields config.json lacks, filled by default
 
     @classmethod
@@ -382,11 +384,14 @@ class DraftConfig(MLADims):
             aux_layer_ids=aux,
             aux_ids_source=aux_source,
             nested_aux_layer_ids=nested if nested is not None and nested != aux else None,
+            eagle_config_aux_ids=nested,
             unstated=tuple(k for k in ("max_position_embeddings", "rope_theta") if d.get(k) is None
                            and not (k == "rope_theta" and isinstance(d.get("rope_parameters"), dict))),
             use_aux_hidden_state=bool(eagle.get("use_aux_hidden_state", True)),
             norm_before_residual=bool(d.get("norm_before_residual", False)),
-            norm_output=bool(d.get("norm_output", False)),
+            norm_output=_flag(d, "norm_output", source),
+            # SGLang's rule (`fc_norm or use_aux_norm`): either name switches the norms on
+            fc_norm=_flag(d, "fc_norm", source) or _flag(d, "use_aux_norm", source),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
         )
@@ -409,7 +414,7 @@ class DraftConfig(MLADims):
                 **common,
             )
         # Fields to_hf writes itself (or drops on purpose) stay out of `extra`: from_hf(to_hf(c)) == c.
-        known = set(cls.__dataclass_fields__) | {"eagle_config", AUX_IDS_KEY,
+        known = set(cls.__dataclass_fields__) | {"eagle_config", AUX_IDS_KEY, "use_aux_norm",
                                                  "num_hidden_layers", "tie_word_embeddings", "n_routed_experts",
                                                  "first_k_dense_replace", "moe_layer_freq"}
         cfg.extra = {k: v for k, v in d.items() if k not in known and k not in _HF_ONLY}
@@ -443,20 +448,23 @@ class DraftConfig(MLADims):
             "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
             "tie_word_embeddings": False,
-            # Both places: vLLM reads only the top level; SGLang, lmdeploy and trainers read eagle_config.
+            # vLLM reads only the top level (capture-before); SGLang, lmdeploy and trainers read eagle_config,
+            # where SGLang takes the ids as "output of layer i": so there, one less (see `nested_aux_ids`).
             AUX_IDS_KEY: list(self.aux_layer_ids),
-            "eagle_config": {
-                AUX_IDS_KEY: list(self.aux_layer_ids),
-                "use_aux_hidden_state": self.use_aux_hidden_state,
-            },
+            "eagle_config": {"use_aux_hidden_state": self.use_aux_hidden_state},
             "norm_before_residual": self.norm_before_residual,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "torch_dtype": "bfloat16",
             **_rope_to_hf(self.rope_theta, self.rope_scaling),
         }
+        nested = nested_aux_ids(self.aux_layer_ids)
+        if nested is not None:
+            d["eagle_config"] = {AUX_IDS_KEY: nested, **d["eagle_config"]}
         if self.norm_output:
             d["norm_output"] = True
+        if self.fc_norm:
+            d["fc_norm"] = True
         if self.attention == "mla":
             d.update(
                 num_key_value_heads=self.num_attention_heads,
@@ -474,6 +482,31 @@ class DraftConfig(MLADims):
         else:
             d.update(num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim)
         return {**self.extra, **d}
+
+
+def _flag(d: dict, key: str, source: str) -> bool:
+    """A boolean config switch; absent or null is False, anything but a bool is an error."""
+    v = d.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ConfigError(f"{source}: field '{key}' = {v!r}; expected true or false")
+    return v
+
+
+def nested_aux_ids(ids: tuple[int, ...] | list[int]) -> list[int] | None:
+    """The `eagle_config` ids to write beside top-level (capture-before) `ids`, or None to write none.
+
+    SGLang reads eagle_config's ids as "output of layer i" and captures i + 1 (the residual entering
+    layer i + 1); since sgl-project/sglang#25454 it adds the 1 only when the first id is 1 (else it
+    takes them as capture-before). Top-level minus one, whose first id is then 1 whenever the
+    top-level's is 2 (vLLM's and SGLang's default (2, L // 2, L - 3) among them), is read alike by
+    both SGLang versions and by trainers (SpecForge/TorchSpec write [1, 29, 57] for (2, 30, 58)).
+    An id 0 (the embedding output) has no "output of" name: None then, and SGLang uses its default.
+    """
+    if not ids or min(ids) < 1:
+        return None
+    return [i - 1 for i in ids]
 
 
 def _aux_list(value, source: str, where: str) -> tuple[int, ...] | None:

@@ -134,7 +134,20 @@ def _read_draft(directory: str | Path, verifier: Verifier, device: str | torch.d
                                 f"capturing {list(cfg.aux_layer_ids)} ({cfg.aux_ids_source}), as vLLM does")
     for note in draft.load_notes:
         log.info(note)
+    for note in engine_notes(cfg, vcfg.num_hidden_layers, directory):
+        (log.warning if note.startswith("!") else log.info)(note)  # not silent: SGLang may use what vLLM ignores
+        draft.load_notes.append(note)
     return draft.eval()
+
+
+def engine_notes(cfg: DraftConfig, num_layers: int, directory="draft") -> list[str]:
+    """Which verifier states vLLM and SGLang would fuse for this draft config, one line each, then a
+    line starting with "!" for each problem (out-of-range ids, engines that disagree, dropped flags)."""
+    from workbench.integrations.engines import config_view, engine_readings, problems
+
+    readings = engine_readings(config_view(cfg), num_layers)
+    return ([f"{directory}: {r.describe()}" for r in readings.values()]
+            + [f"! {directory}: {p}" for p in problems(readings, cfg.fc_norm, cfg.norm_output)])
 
 
 def check_pairing(dcfg: DraftConfig, vcfg, draft_dir="draft", verifier_dir="verifier") -> None:

@@ -1,12 +1,15 @@
-"""Live vLLM: poll a server's /metrics and chart speculative decoding per interval."""
+"""Live server: poll a vLLM or SGLang server's /metrics and chart speculative decoding per interval."""
 import streamlit as st
 
 from views import charts
 from workbench.integrations.vllm import MetricsTracker, ScrapeError, scrape
 
-st.title("Live vLLM")
+st.title("Live vLLM / SGLang")
 st.caption("vLLM's counters (vllm:spec_decode_num_drafts / num_draft_tokens / num_accepted_tokens / "
-           "num_accepted_tokens_per_pos) are cumulative; each point here is the interval between two polls.")
+           "num_accepted_tokens_per_pos) are cumulative; each point here is the interval between two polls. "
+           "SGLang (--enable-metrics) is read from sglang:spec_verify_calls_total, generation_tokens_total and "
+           "num_requests_total (accepted = generated - requests - verifies; counted as requests finish, no "
+           "per-position counter) beside its sglang:spec_accept_length gauge.")
 c1, c2, c3 = st.columns([3, 2, 1])
 url = c1.text_input("Server or /metrics URL", "http://127.0.0.1:8000/metrics", key="live_url").strip()
 model = c2.text_input("Model name (optional filter)", "", key="live_model").strip()
@@ -31,9 +34,10 @@ def live() -> None:
         st.error(str(e))
         return
     if not counters.has_spec:
-        st.warning(f"{url} answers, but exposes no vllm:spec_decode_* counters"
+        st.warning(f"{url} answers, but exposes no vllm:spec_decode_* counters nor sglang:spec_* metrics"
                    + (f" for model {model!r}" if model else "")
-                   + ": is speculative decoding enabled (--speculative-config), and has a request run yet?")
+                   + ": is speculative decoding enabled (vLLM --speculative-config, SGLang --speculative-algorithm "
+                     "with --enable-metrics), and has a request run yet?")
         return
     tracker.add(counters)
     total = counters.rates()
@@ -45,6 +49,9 @@ def live() -> None:
     m2.metric("Draft acceptance rate since start", f"{total['draft_acceptance_rate']:.1%}")
     m3.metric("Drafts since start", f"{counters.num_drafts:,}")
     m4.metric("Counters", counters.version.upper() + (" (drafts derived)" if counters.drafts_derived else ""))
+    if counters.engine_accept_length is not None:
+        st.caption(f"SGLang's own gauge sglang:spec_accept_length (its last logged batch): "
+                   f"{counters.engine_accept_length:.3f}")
     if not tracker.intervals:
         st.info("First sample taken; the per-interval charts start with the next poll.")
         return

@@ -218,6 +218,37 @@ class Alternative:
     make: Callable[[], object] | None  # the probe's pair (a weight-sharing variant); None when skipped
     skipped: str | None = None
     first_proposal: bool = True  # changes the first proposal of a step (else only later ones)
+    ids: tuple[int, ...] = ()  # the layers it captures, when it moves the aux layers
+
+
+def engine_alternatives(pair) -> list[Alternative]:
+    """How the draft runs under each engine's reading of its config, where that differs from the
+    configured run (vLLM's ids, with the draft's own fc_norm and norm_output): SGLang's ids, and
+    vLLM dropping EAGLE-3.1's flags. These are the accept lengths each engine would see."""
+    from workbench.integrations.engines import config_view, engine_readings
+
+    v, d = pair.plain
+    n, ids = v.config.num_hidden_layers, tuple(v.aux_layer_ids)
+    out = []
+    for r in engine_readings(config_view(d.config), n).values():
+        changes = {}
+        if r.fc_norm != d.config.fc_norm and "fc_norm" in d._modules:
+            changes["fc_norm"] = REMOVED
+        if r.norm_output != d.norm_output:
+            changes["norm_output"] = r.norm_output
+        if r.ids == ids and not changes:
+            continue
+        what = [f"capture layers {list(r.ids)} ({r.source})"] if r.ids != ids else []
+        what += ["no fc_norm"] * ("fc_norm" in changes) + [f"feed back {'post' if r.norm_output else 'pre'}-norm"] * (
+            "norm_output" in changes)
+        bad = [i for i in r.ids if not 0 <= i < n]
+        make = None if bad else (lambda r=r, changes=changes: pair.variant(
+            verifier={"aux_layer_ids": r.ids} if r.ids != ids else None, draft=changes or None))
+        out.append(Alternative(f"{r.engine} reading {list(r.ids)}", f"as {r.engine} would run it: " + ", ".join(what),
+                               make, f"{bad} outside the verifier's layers [0, {n - 1}]: {r.engine} cannot run it"
+                               if bad else None, first_proposal=r.norm_output == d.norm_output,
+                               ids=r.ids if r.ids != ids else ()))
+    return out
 
 
 def alternatives(pair) -> list[Alternative]:
@@ -227,12 +258,16 @@ def alternatives(pair) -> list[Alternative]:
     n = v.config.num_hidden_layers
     ids = tuple(v.aux_layer_ids)
     capture = lambda m: (lambda: pair.variant(verifier={"aux_layer_ids": m}))  # noqa: E731
-    # the other readings of the draft's config (eagle_config's ids as written, or as "output of layer i")
+    out = engine_alternatives(pair)
+    # the other readings of the draft's config (eagle_config's ids as written, or as "output of layer i"),
+    # where no engine's reading above already captures those layers
+    engines = {alt.ids for alt in out}
     readings = {} if d.config.nested_aux_layer_ids is None else {
-        r: m for r, m in aux_id_readings(d.config, v.config).items() if r != "vllm" and m != ids}
-    out = [Alternative(f"{r} reading {list(m)}", f"capture the layers a reading of the config's {r.split('+')[0]} "
-                       f"ids names ({'as output of layer i' if r.endswith('+1') else 'as written'}), not vLLM's",
-                       capture(m)) for r, m in readings.items()]
+        r: m for r, m in aux_id_readings(d.config, v.config).items() if r != "vllm" and m != ids and m not in engines}
+    out += [Alternative(f"{r} reading {list(m)}", f"capture the layers a reading of the config's {r.split('+')[0]} "
+                        f"ids names ({'as output of layer i' if r.endswith('+1') else 'as written'}), not vLLM's",
+                        capture(m)) for r, m in readings.items()]
+    readings = {**readings, **{alt.name: alt.ids for alt in out if alt.ids}}
     for shift in (-1, +1):
         moved = tuple(i + shift for i in ids)
         if moved in readings.values():

@@ -14,12 +14,17 @@ crashed serving in vLLM or SGLang:
   `eagle_aux_hidden_state_layer_ids`, else (2, L // 2, L - 3)): SpecForge/TorchSpec's
   [1, 29, 57] ("output of layer i") happen to be vLLM's (2, 30, 58); other ids are not.
 
+- engines that read one config differently (`workbench.integrations.engines`): SGLang reads
+  eagle_config's ids as "output of layer i" where vLLM reads the top level as capture-before, and
+  vLLM's MLA draft class applies no EAGLE-3.1 `fc_norm` / `norm_output`.
+
 `field_checks(pair)` is what the doctor's `static_checks` adds; `aux_id_readings` gives the
 doctor's probes the layer ids each reading of a draft config implies.
 """
 from __future__ import annotations
 
 from workbench.config import DraftConfig, VerifierConfig
+from workbench.integrations.engines import cannot_run, config_view, engine_readings, problems
 
 # vLLM's ModelConfig.is_deepseek_mla model types (the arch-config convertor, 2026 versions).
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_mtp", "kimi_k2", "kimi_linear",
@@ -120,6 +125,9 @@ def aux_ids_check(draft: DraftConfig, verifier: VerifierConfig):
     if nested is None:
         return _check("nested aux ids", "ok", f"{vllm} ({draft.aux_ids_source}); eagle_config agrees or names none")
     nested = list(nested)
+    if [i + 1 for i in nested] == vllm and draft.aux_ids_source == "top-level":
+        return _check("nested aux ids", "ok", f"eagle_config names {nested}, the top level {vllm}: the same states, "
+                      f"as 'output of layer i' (SGLang, trainers) and capture-before (vLLM)")
     if [i + 1 for i in nested] == vllm:
         return _check("nested aux ids", "info",
                       f"eagle_config names {nested}, vLLM captures {vllm} ({draft.aux_ids_source}): the same states "
@@ -130,6 +138,28 @@ def aux_ids_check(draft: DraftConfig, verifier: VerifierConfig):
                   f"falls to ~1; expected the trained ids at the top level (workbench export-vllm writes both)")
 
 
+def engine_check(draft: DraftConfig, verifier: VerifierConfig):
+    """Which states vLLM and SGLang would fuse for this config; fail where an engine captures layers
+    the verifier lacks, warn where engines disagree or drop an EAGLE-3.1 flag the draft has."""
+    readings = engine_readings(config_view(draft), verifier.num_hidden_layers)
+    found = problems(readings, draft.fc_norm, draft.norm_output)
+    detail = "; ".join(r.describe() for r in readings.values())
+    if found:
+        detail += " - " + "; ".join(found)
+    return _check("engine readings", "fail" if cannot_run(found) else "warn" if found else "ok", detail)
+
+
+def eagle31_check(draft: DraftConfig):
+    on = [f for f, v in (("fc_norm", draft.fc_norm), ("norm_output", draft.norm_output)) if v]
+    if not on:
+        return _check("EAGLE-3.1 flags", "info", "fc_norm off, norm_output off: a plain EAGLE-3 draft")
+    what = {"fc_norm": f"fc_norm: an RMSNorm (eps {draft.rms_norm_eps:g}) on each of the "
+                       f"{len(draft.aux_layer_ids)} aux states before fc",
+            "norm_output": "norm_output: the post-norm state is fed back between draft steps"}
+    return _check("EAGLE-3.1 flags", "info", "; ".join(what[f] for f in on) + " (SGLang applies both; vLLM's "
+                  "Eagle3DeepseekV2ForCausalLM neither)")
+
+
 def field_checks(pair, prompt_tokens: int | None = None) -> list:
     """Every check above for a loaded pair; `prompt_tokens` defaults to the longest prompt the engine admits."""
     d, v = pair.draft, pair.verifier
@@ -138,4 +168,4 @@ def field_checks(pair, prompt_tokens: int | None = None) -> list:
     dc, vc = d.config, v.config
     n = prompt_tokens if prompt_tokens is not None else vc.max_position_embeddings
     return [rope_check(dc, vc), positions_check(dc, vc), prompt_length_check(dc, n), model_type_check(dc),
-            aux_ids_check(dc, vc)]
+            aux_ids_check(dc, vc), engine_check(dc, vc), eagle31_check(dc)]

@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from workbench.analysis.metrics import counter_rates
+from workbench.config import nested_aux_ids
 
 if TYPE_CHECKING:  # export_draft's annotation only; pair.py imports torch
     from workbench.pair import ModelPair
 
 PREFIX = "vllm:spec_decode_"
+SGLANG_PREFIX = "sglang:"  # SGLang's names (workbench.integrations.sglang), read where vLLM's are absent
 # V1 counters (family name; on /metrics each sample carries a `_total` suffix).
 V1_NAMES = {
     "num_drafts": PREFIX + "num_drafts",
@@ -146,8 +148,11 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     num_emitted_tokens: int | None = None  # V0 only
-    version: str = ""  # "v1", "v0", or "" when the server exposes no spec-decode counters
+    version: str = ""  # "v1", "v0", "sglang", or "" when the server exposes no spec-decode counters
     drafts_derived: bool = False  # V0: num_drafts = emitted - accepted (see parse_spec_metrics)
+    # SGLang's own gauges (its last logged batch, mean over ranks), beside the counters derived from its totals
+    engine_accept_length: float | None = None
+    engine_accept_rate: float | None = None
 
     @property
     def has_spec(self) -> bool:
@@ -215,7 +220,10 @@ def counters_from_llm_metrics(metrics: Iterable, model_name: str | None = None) 
 
 
 def parse_spec_metrics(text: str, model_name: str | None = None) -> SpecCounters:
-    """Spec-decode counters from a Prometheus `/metrics` body, summed over engines.
+    """Spec-decode counters from a Prometheus `/metrics` body (vLLM's, else SGLang's), summed over engines.
+
+    A body with no vLLM spec-decode counter but SGLang's `sglang:spec_*` metrics is read by
+    `workbench.integrations.sglang.counters_from_samples` (version "sglang").
 
     V1 names: `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
     `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position="i"}`
@@ -237,16 +245,26 @@ def parse_spec_metrics(text: str, model_name: str | None = None) -> SpecCounters
     totals: dict[str, int] = {}
     per_pos: list[int] = []
     seen: set[str] = set()
+    sglang = []  # SGLang's samples, read only if the body has no vLLM spec-decode counter
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            key = None if s.name.endswith("_created") else _metric_key(s.name)
-            if key is None or (model_name is not None and s.labels.get("model_name", model_name) != model_name):
+            if s.name.endswith("_created") or (model_name is not None
+                                               and s.labels.get("model_name", model_name) != model_name):
+                continue
+            if s.name.startswith(SGLANG_PREFIX):
+                sglang.append((s.name, s.labels, s.value))
+            key = _metric_key(s.name)
+            if key is None:
                 continue
             seen.add(key)
             if key == "per_pos":
                 _add_pos(per_pos, s.labels, s.value, s.name)
             else:
                 totals[key] = totals.get(key, 0) + int(round(s.value))
+    if not seen and sglang:
+        from workbench.integrations.sglang import counters_from_samples
+
+        return counters_from_samples(sglang)
     return _finish(totals, per_pos, seen)
 
 
@@ -260,7 +278,7 @@ def _metrics_url(url: str) -> str:
 
 
 def scrape(url: str, timeout: float = 2.0, model_name: str | None = None) -> SpecCounters:
-    """GET a vLLM server's `/metrics` and parse it; every failure is a ScrapeError naming the URL."""
+    """GET a vLLM (or SGLang) server's `/metrics` and parse it; every failure is a ScrapeError naming the URL."""
     url = _metrics_url(url)
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
@@ -269,11 +287,11 @@ def scrape(url: str, timeout: float = 2.0, model_name: str | None = None) -> Spe
         raise ScrapeError(f"{url}: HTTP {e.code} {e.reason}; expected 200 with Prometheus metrics") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
-        raise ScrapeError(f"{url}: cannot reach the server ({reason}); is vLLM running there?") from None
+        raise ScrapeError(f"{url}: cannot reach the server ({reason}); is vLLM or SGLang running there?") from None
     try:
         return parse_spec_metrics(body, model_name)
     except ValueError as e:
-        raise ScrapeError(f"{url}: the body is not Prometheus text format ({e}); expected vLLM's /metrics") from None
+        raise ScrapeError(f"{url}: the body is not Prometheus text format ({e}); expected vLLM's or SGLang's /metrics") from None
 
 
 # ---- per-interval deltas ------------------------------------------------------------------
@@ -411,8 +429,11 @@ def export_draft(pair: ModelPair, out_dir: str | Path, dtype: str = "bfloat16", 
     """Write `pair.draft` as vLLM's `Eagle3DeepseekV2ForCausalLM` loads it (eagle3_mla.md §1-2).
 
     config.json follows the public Kimi-K2.5 MLA draft layout: `model_type` kimi_k2; the aux ids
-    the draft was loaded with at the top level (the only place vLLM reads them) and in
-    eagle_config (SGLang, lmdeploy, trainers); `rope_theta`, `rope_scaling` and
+    the draft was loaded with at the top level (the only place vLLM reads them, capture-before) and,
+    one less, in eagle_config (SGLang, lmdeploy and trainers read "output of layer i" there), so
+    both engines fuse the same states (`workbench.integrations.engines`); `fc_norm` and its
+    `fc_norm.{i}.weight` tensors for an EAGLE-3.1 draft (SGLang applies them; vLLM's class skips
+    them, which is logged); `rope_theta`, `rope_scaling` and
     `max_position_embeddings` the verifier's (`rope_from="draft"` keeps the draft's own; a
     difference is logged, since the export then rotates as the verifier does). Tensors: `fc.weight`,
     `layers.0.*`, `norm.weight`, `lm_head.weight` and, for a reduced draft vocabulary, `d2t`;
@@ -468,6 +489,7 @@ def export_config(cfg, verifier_cfg, dtype: str = "bfloat16", rope_from: str = "
     _check_exportable(cfg, dtype, rope_from, where)
     config = cfg.to_hf()
     ids = list(cfg.aux_layer_ids)
+    nested = nested_aux_ids(ids)
     config.update(
         architectures=[VLLM_MLA_DRAFT],
         model_type=EXPORT_MODEL_TYPE,
@@ -476,7 +498,9 @@ def export_config(cfg, verifier_cfg, dtype: str = "bfloat16", rope_from: str = "
         tie_word_embeddings=False,
         torch_dtype=dtype,
         eagle_aux_hidden_state_layer_ids=ids,
-        eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        # "output of layer i" for SGLang and trainers (see config.nested_aux_ids); none where it cannot say it
+        eagle_config={**({"eagle_aux_hidden_state_layer_ids": nested} if nested is not None else {}),
+                      "use_aux_hidden_state": True},
     )
     config.pop("n_routed_experts", None)  # the draft layer is dense; transformers 5 refuses a null here
     rope = _export_rope(cfg, verifier_cfg, rope_from, where)
@@ -486,7 +510,18 @@ def export_config(cfg, verifier_cfg, dtype: str = "bfloat16", rope_from: str = "
         # rope_theta inside too: vLLM's draft layer copies rope_scaling into rope_parameters, and newer
         # vLLM reads the base from there (eagle3_mla.md §4, "verify" note).
         config["rope_scaling"] = dict(rope["rope_scaling"], rope_type="yarn", rope_theta=rope["rope_theta"])
+    _warn_engine_readings(config, cfg, verifier_cfg.num_hidden_layers, where)
     return config
+
+
+def _warn_engine_readings(config: dict, cfg, num_layers: int, where: str) -> None:
+    """Log each engine that would fuse other states than the draft was trained on, or drop its
+    EAGLE-3.1 flags (e.g. vLLM and fc_norm): the export is still right for the engines that agree."""
+    from workbench.integrations.engines import disagreements, engine_readings
+
+    for line in disagreements(engine_readings(config, num_layers), tuple(cfg.aux_layer_ids), cfg.fc_norm,
+                              cfg.norm_output):
+        log.warning("%s: exported config: %s", where, line)
 
 
 def _check_exportable(cfg, dtype: str, rope_from: str, where: str) -> None:

@@ -8,6 +8,8 @@ What EAGLE-3 changes against a verifier layer (eagle3_mla.md §3):
   the residual is h itself; the MLP is dense SwiGLU.
 - it returns the post-norm state (for logits) and the pre-norm residual sum h + a + y, which
   is what vLLM feeds back (`norm_output` feeds back the post-norm state: EAGLE-3.1).
+- EAGLE-3.1's `fc_norm` (SGLang's kimi_k25_eagle3.py): one RMSNorm per aux state (width
+  target_hidden_size, eps rms_norm_eps, weights `fc_norm.{i}.weight`) on each state before fc.
 - embedding and lm_head are the verifier's unless the checkpoint ships its own; a reduced
   draft vocabulary maps back through `d2t` (target id = i + d2t[i]).
 Variants are bound once at construction (the doctor probes others on weight-sharing copies).
@@ -113,6 +115,9 @@ class Eagle3Draft(nn.Module):
         H = cfg.hidden_size
         if cfg.use_aux_hidden_state:
             self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, H, bias=False)
+            if cfg.fc_norm:
+                self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+                                             for _ in cfg.aux_layer_ids)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(cfg)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         if own_embed:
@@ -144,10 +149,18 @@ class Eagle3Draft(nn.Module):
         return KVCache(1, self.config.cache_row, max_len, batch, p.dtype, p.device, name="draft cache")
 
     def combine_hidden_states(self, aux: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
-        """fc over concat(h_lo, h_mid, h_hi): [B, T, 3H] -> [B, T, H]."""
+        """fc over concat(h_lo, h_mid, h_hi): [B, T, 3H] -> [B, T, H]; with fc_norm, each state normed first."""
         width = self.config.target_hidden_size  # a static width, whatever the inputs' shapes say (traced graphs)
-        x = torch.cat([h.reshape(*h.shape[:-1], width) for h in aux], dim=-1)
-        return self.fc(x.to(self.fc.weight.dtype))  # the draft may run in its own dtype
+        # the draft may run in its own dtype: cast each state first (a cast is elementwise, so this is the
+        # same as casting the concatenation), so that fc_norm's statistics see what fc will
+        states = [h.reshape(*h.shape[:-1], width).to(self.fc.weight.dtype) for h in aux]
+        norms = self._modules.get("fc_norm")
+        if norms is not None:
+            if len(states) != len(norms):
+                raise ValueError(f"combine_hidden_states: {len(states)} aux states; expected {len(norms)}, one per "
+                                 f"fc_norm")
+            states = [norm(h) for norm, h in zip(norms, states)]
+        return self.fc(torch.cat(states, dim=-1))
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache | None = None,
                 positions: torch.Tensor | None = None, path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

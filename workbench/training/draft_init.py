@@ -8,9 +8,11 @@ from workbench.models import Eagle3Draft
 
 
 def draft_config_for(verifier: VerifierConfig, attention: str = "mla", intermediate_size: int | None = None,
-                     aux_layer_ids: tuple[int, ...] | None = None) -> DraftConfig:
+                     aux_layer_ids: tuple[int, ...] | None = None, fc_norm: bool = False,
+                     norm_output: bool = False) -> DraftConfig:
     """MLA: the verifier's own attention dims (one KV pool for both, as vLLM wants).
-    MHA: Llama-style heads of the same width (head_dim = hidden / heads), for comparison."""
+    MHA: Llama-style heads of the same width (head_dim = hidden / heads), for comparison.
+    `fc_norm` / `norm_output`: EAGLE-3.1's per-state norms before fc and post-norm feedback."""
     v = verifier
     common = dict(
         num_attention_heads=v.num_attention_heads, rms_norm_eps=v.rms_norm_eps, rope_theta=v.rope_theta,
@@ -18,7 +20,7 @@ def draft_config_for(verifier: VerifierConfig, attention: str = "mla", intermedi
         hidden_size=v.hidden_size, target_hidden_size=v.hidden_size,
         intermediate_size=intermediate_size or v.intermediate_size, vocab_size=v.vocab_size,
         draft_vocab_size=v.vocab_size, aux_layer_ids=tuple(aux_layer_ids or v.default_aux_layer_ids),
-        bos_token_id=v.bos_token_id, eos_token_id=v.eos_token_id,
+        bos_token_id=v.bos_token_id, eos_token_id=v.eos_token_id, fc_norm=fc_norm, norm_output=norm_output,
     )
     if attention == "mla":
         return DraftConfig(

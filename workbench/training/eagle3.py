@@ -6,11 +6,12 @@ draft then unrolls `ttt_steps` times, as it will run at inference:
     h = fc(aux);  ids_0 = tokens shifted left by one (position t gets token t+1)
     step i: pre = layer(embed(ids_i), h, positions t + i, TTT attention); logits = lm_head(norm(pre))
             target = the verifier's distribution at position t + i + 1;  h = pre;  ids_{i+1} = shift(ids_i)
+EAGLE-3.1 (`--fc-norm`, `--norm-output`): fc(concat(fc_norm_j(aux_j))), and h = norm(pre) fed back.
 TTT attention: at step i, query t sees the step-0 keys j <= t (causal) and its own keys from
 steps 1..i at the same index t (the diagonal), which is exactly what a draft step sees in the
 cache at inference. Loss = sum_i 0.8^i soft cross-entropy against the verifier; AdamW, linear
 warmup then cosine decay, gradient clipping. The embedding and lm_head are the verifier's and
-stay frozen; the fc fusion, the decoder layer and the final norm train.
+stay frozen; the fc fusion (and its fc_norm), the decoder layer and the final norm train.
 Checkpoints are safetensors plus a JSON state, so resuming never unpickles anything.
 """
 from __future__ import annotations
@@ -93,7 +94,8 @@ def ttt_loss(draft: Eagle3Draft, verifier: Verifier, ids: torch.Tensor, ttt_step
     for i in range(ttt_steps):
         positions = (torch.arange(S, device=ids.device) + i)[None]
         pre = layer.block(embed(step_ids), h, lambda x: ttt_attend(layer.self_attn, x, positions, rows))
-        logits = draft.compute_logits(draft.norm(pre)).float()
+        post = draft.norm(pre)
+        logits = draft.compute_logits(post).float()
         tgt = torch.cat([target[:, i + 1:], torch.zeros_like(target[:, : i + 1])], dim=1)
         mask = torch.cat([valid[:, i + 1:], torch.zeros_like(valid[:, : i + 1])], dim=1)
         ce = -(tgt * logits.log_softmax(-1).clamp_min(-1e4)).sum(-1)  # -inf logits outside the draft vocab
@@ -102,9 +104,9 @@ def ttt_loss(draft: Eagle3Draft, verifier: Verifier, ids: torch.Tensor, ttt_step
         total = total + STEP_DECAY ** i * loss_i
         losses.append(float(loss_i.detach()))
         accs.append(float(((logits.argmax(-1) == tgt.argmax(-1)).float() * mask).sum() / denom))
-        h = pre
+        h = post if draft.norm_output else pre  # what inference feeds back (EAGLE-3.1: the post-norm state)
         step_ids = shift_left(step_ids)
-    return total, StepMetrics(float(total), losses, accs)
+    return total, StepMetrics(float(total.detach()), losses, accs)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.05) -> float:
@@ -278,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--init", help="start from this draft dir instead of a fresh one")
     ap.add_argument("--attention", default="mla", choices=["mla", "mha"])
     ap.add_argument("--intermediate-size", type=int, default=None)
+    ap.add_argument("--fc-norm", action="store_true",
+                    help="EAGLE-3.1: an RMSNorm on each aux state before fc (fc_norm.{i}.weight, trained)")
+    ap.add_argument("--norm-output", action="store_true",
+                    help="EAGLE-3.1: feed the post-norm state back between draft steps")
     ap.add_argument("--data", default="stdlib",
                     help="'stdlib', or a JSONL file of {\"text\": ...} or {\"ids\": [...]} "
                          "(e.g. from python -m workbench.training.regenerate)")
@@ -296,8 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     verifier = wb.load_verifier(vdir, device=a.device, dtype="float32")
     if a.init:
         draft = wb.load_draft(a.init, verifier).float()
+        if (a.fc_norm and not draft.config.fc_norm) or (a.norm_output and not draft.config.norm_output):
+            raise SystemExit(f"workbench train-draft: --init {a.init} has fc_norm = {draft.config.fc_norm}, "
+                             f"norm_output = {draft.config.norm_output}; --fc-norm / --norm-output shape a fresh "
+                             f"draft only (drop --init, or the flags)")
     else:
-        cfg = draft_config_for(verifier.config, a.attention, a.intermediate_size)
+        cfg = draft_config_for(verifier.config, a.attention, a.intermediate_size, fc_norm=a.fc_norm,
+                               norm_output=a.norm_output)
         draft = init_draft(cfg, seed=a.seed).to(a.device)
         draft.share(verifier.model.embed_tokens, verifier.lm_head)
         verifier.aux_layer_ids = cfg.aux_layer_ids
