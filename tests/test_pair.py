@@ -342,3 +342,28 @@ def test_reduced_vocab_draft_without_lm_head(dirs, tmp_path):
     edit_config(bad, draft_vocab_size=100)
     expect_error(lambda: wb.load_pair(dirs[0], bad), wb.PairingError,
                  str(bad), "no lm_head", "draft_vocab_size = 100", "vocab_size = 512", "expected its own lm_head")
+
+
+def test_generation_config_eos_ends_a_generation(tmp_path):
+    """A chat model lists its end-of-turn token in generation_config.json (Kimi-K2: <|im_end|>): the
+    engine stops there, as transformers and vLLM do; a malformed file is refused by name."""
+    import json
+    import shutil
+
+    from tests.helpers import EMBEDDED
+
+    vdir = tmp_path / "verifier"
+    shutil.copytree(EMBEDDED / "verifier", vdir)
+    pair = wb.load_pair(vdir, EMBEDDED / "draft", dtype="float32")
+    plain = wb.generate_autoregressive(pair, "def add(a, b):", max_new_tokens=12)
+    stop = plain.tokens[5]
+    first = plain.tokens.index(stop)
+    (vdir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, stop]}))
+    assert stop in pair.eos_token_ids and 1 in pair.eos_token_ids
+    for res in (wb.generate_autoregressive(pair, "def add(a, b):", max_new_tokens=12),
+                wb.SpecDecoder(pair, 3).generate("def add(a, b):", max_new_tokens=12)):
+        assert res.finish_reason == "eos" and res.tokens[:first] == plain.tokens[:first]
+        assert len(res.tokens) <= first + 1
+    (vdir / "generation_config.json").write_text(json.dumps({"eos_token_id": "im_end"}))
+    with pytest.raises(ValueError, match="generation_config.json: field 'eos_token_id'"):
+        pair.eos_token_ids

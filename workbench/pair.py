@@ -7,6 +7,8 @@ checkpoint is never initialised randomly first nor held twice.
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import logging
 from dataclasses import dataclass, field
@@ -150,6 +152,27 @@ def engine_notes(cfg: DraftConfig, num_layers: int, directory="draft") -> list[s
             + [f"! {directory}: {p}" for p in problems(readings, cfg.fc_norm, cfg.norm_output)])
 
 
+@functools.lru_cache(maxsize=32)
+def _generation_eos(path: str, mtime_ns: int) -> tuple[int, ...]:
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    eos = d.get("eos_token_id") if isinstance(d, dict) else None
+    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: field 'eos_token_id' = {eos!r}; expected a token id or a list of them")
+    return tuple(ids)
+
+
+def generation_eos_ids(directory: str | Path | None) -> list[int]:
+    """`eos_token_id` of `directory`/generation_config.json (an id or a list), [] without the file."""
+    path = Path(directory) / "generation_config.json" if directory else None
+    if path is None or not path.is_file():
+        return []
+    return list(_generation_eos(str(path), path.stat().st_mtime_ns))
+
+
 def check_pairing(dcfg: DraftConfig, vcfg, draft_dir="draft", verifier_dir="verifier") -> None:
     """Everything a config can tell about a draft that does not fit its verifier."""
     problems = []
@@ -205,7 +228,10 @@ class ModelPair:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        ids = [self.tokenizer.eos_token_id, self.verifier.config.eos_token_id]
+        """Where a generation ends: the tokenizer's and the config's EOS, and generation_config.json's
+        (a chat model lists its end-of-turn token there, as Kimi-K2 does with <|im_end|>)."""
+        ids = [self.tokenizer.eos_token_id, self.verifier.config.eos_token_id,
+               generation_eos_ids(self.verifier_dir)]
         flat = [i for x in ids for i in (x if isinstance(x, list) else [x])]
         return sorted({i for i in flat if i is not None})
 
