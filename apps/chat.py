@@ -32,7 +32,7 @@ import plotly.graph_objects as go
 
 import workbench as wb
 from workbench.analysis.degeneracy import accept_split, detect_loop, emitted_tokens
-from workbench.analysis.metrics import compute_stats
+from workbench.decoding.stats import compute_stats
 from workbench.analysis.protocol import Arm, Measurements, measure
 
 MAX_UI_K = 8  # the slider's range; the engine itself allows up to wb.MAX_K

@@ -19,7 +19,7 @@ import workbench as wb
 from workbench.decoding.adaptive import ConfidenceStop, GoodputEMA, ScheduleK, StepCosts
 from workbench.decoding.batch import BatchDecoder
 from workbench.decoding.proposers import Proposal
-from workbench.integrations.batch_schedule import read_schedule
+from workbench.batch_schedule import read_schedule
 
 PROMPTS = [json.loads(line)["prompt"] for line in (REPO / "assets/prompts/code.jsonl").read_text().splitlines()[:8]]
 BUDGETS = [24, 9, 31, 17, 5, 28, 13, 20]  # rows finish at different steps

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workbench.integrations.batch_schedule import (
+from workbench.batch_schedule import (
     BatchSchedule,
     ScheduleError,
     read_schedule,

@@ -11,7 +11,7 @@ import workbench as wb
 from workbench.analysis.batching import BatchPoint, BatchSweepResult, compare_policies, default_policies, run_batch_sweep
 from workbench.analysis.protocol import Interval
 from workbench.cli import main
-from workbench.integrations.batch_schedule import read_schedule
+from workbench.batch_schedule import read_schedule
 
 PROMPTS = [json.loads(line)["prompt"] for line in (REPO / "assets/prompts/code.jsonl").read_text().splitlines()[:4]]
 

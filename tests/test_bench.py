@@ -178,7 +178,7 @@ def test_report_sets_the_loops_apart_and_warns(pair):
     import random
 
     from workbench.analysis.degeneracy import detect_loop
-    from workbench.analysis.metrics import compute_stats
+    from workbench.decoding.stats import compute_stats
 
     noise = bytes(random.Random(1).randrange(32, 127) for _ in range(120)).decode()
     prompts = [*PROMPTS, noise]

@@ -20,7 +20,7 @@ pytest.importorskip("plotly")
 
 import workbench as wb  # noqa: E402
 from workbench.analysis.degeneracy import detect_loop  # noqa: E402
-from workbench.analysis.metrics import compute_stats  # noqa: E402
+from workbench.decoding.stats import compute_stats  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "apps"))

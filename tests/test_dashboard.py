@@ -449,7 +449,7 @@ def batch_sweep_page(app) -> AppTest:
 
 
 def test_batching_page_sweep(app):
-    from workbench.integrations.batch_schedule import read_schedule
+    from workbench.batch_schedule import read_schedule
 
     at = batch_sweep_page(app)
     result = at.session_state["batch_result"][1]

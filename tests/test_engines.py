@@ -1,5 +1,5 @@
 """Which verifier hidden states vLLM and SGLang fuse for a draft config, simulated from their source
-(`workbench.integrations.engines`), for every published config in the repository and every config
+(`workbench.engine_readings`), for every published config in the repository and every config
 the workbench exports: an export must make both engines fuse the states the draft was trained on.
 
 Ids are capture-before (id k = the residual entering layer k). vLLM reads a top-level list, else
@@ -16,7 +16,7 @@ import pytest
 import workbench as wb
 from tests.helpers import EMBEDDED, REPO
 from workbench.config import DraftConfig, VerifierConfig, nested_aux_ids
-from workbench.integrations.engines import config_view, engine_readings, fused_states
+from workbench.engine_readings import config_view, engine_readings, fused_states
 from workbench.integrations.vllm import export_config
 
 DATA = REPO / "tests" / "data" / "real"

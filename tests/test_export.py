@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import workbench as wb
 from tests.helpers import EMBEDDED, make_random_pair
-from workbench.integrations.engines import fused_states
+from workbench.engine_readings import fused_states
 from workbench.integrations.vllm import export_draft
 
 VOCAB = 512

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workbench.analysis.metrics import (
+from workbench.decoding.stats import (
     compute_stats,
     counter_rates,
     expected_accept_length,

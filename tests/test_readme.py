@@ -80,7 +80,7 @@ def test_every_cli_example_parses():
         if argv[0] in ("chat", "train-draft"):  # these hand their argv to their own parsers
             continue
         if argv[0] == "bench-kernels":  # so does this one, to a parser that can be built here
-            from workbench.kernels.bench import build_parser as bench_parser
+            from workbench.kernels.bench_cli import build_parser as bench_parser
 
             bench_parser().parse_args(argv[1:])
             continue

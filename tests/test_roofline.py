@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from workbench.analysis.metrics import expected_accept_length
+from workbench.decoding.stats import expected_accept_length
 from workbench.analysis.roofline import (
     GPU_MEMORY_UTILIZATION,
     H200,

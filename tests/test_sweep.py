@@ -14,7 +14,7 @@ import workbench as wb
 from tests.helpers import REPO, make_random_pair
 from tests.test_doctor import PROMPTS, make_copy_pair
 from workbench.analysis import sweep as sweep_module
-from workbench.analysis.metrics import merge_stats
+from workbench.decoding.stats import merge_stats
 from workbench.analysis.sweep import run_sweep
 from workbench.cli import main
 

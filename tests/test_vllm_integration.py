@@ -52,7 +52,7 @@ def test_serve_command_quotes_awkward_paths():
 def test_serve_command_carries_a_batch_size_schedule_in_the_map_syntax():
     """Either syntax in, vLLM's map out, checked against k; `workbench vllm-command --schedule`."""
     from workbench.cli import main
-    from workbench.integrations.batch_schedule import ScheduleError
+    from workbench.batch_schedule import ScheduleError
 
     for given in ([[1, 8, 3], [9, 32, 1], [33, 4096, 0]], '{"1-8": 3, "9-32": 1, "33-4096": 0}'):
         argv = shlex.split(serve_command("v", "d", k=3, tp=8, schedule=given))

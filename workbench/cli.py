@@ -365,7 +365,7 @@ def cmd_sglang_command(args) -> int:
 
 
 def cmd_bench_kernels(args) -> int:
-    from workbench.kernels.bench import main as bench_main
+    from workbench.kernels.bench_cli import main as bench_main
 
     return bench_main(sys.argv[2:])  # its own parser: the bench, --aot and --gpu-report options
 

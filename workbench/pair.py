@@ -145,7 +145,7 @@ def _read_draft(directory: str | Path, verifier: Verifier, device: str | torch.d
 def engine_notes(cfg: DraftConfig, num_layers: int, directory="draft") -> list[str]:
     """Which verifier states vLLM and SGLang would fuse for this draft config, one line each, then a
     line starting with "!" for each problem (out-of-range ids, engines that disagree, dropped flags)."""
-    from workbench.integrations.engines import config_view, engine_readings, problems
+    from workbench.engine_readings import config_view, engine_readings, problems
 
     readings = engine_readings(config_view(cfg), num_layers)
     return ([f"{directory}: {r.describe()}" for r in readings.values()]

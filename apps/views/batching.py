@@ -7,7 +7,7 @@ import streamlit as st
 from views import charts
 from views.prompt_sets import pick_prompts
 from workbench.analysis.batching import compare_policies, default_policies, run_batch_sweep
-from workbench.integrations.batch_schedule import ScheduleError, read_schedule
+from workbench.batch_schedule import ScheduleError, read_schedule
 
 
 @st.cache_data(show_spinner=False, max_entries=16)

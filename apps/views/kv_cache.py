@@ -12,7 +12,7 @@ from workbench.analysis.kvcache import (HANDOVER_MODES, KIMI_K2_MLA_DRAFT, KIMI_
                                         handover_bytes, memory_table, mha_equivalent)
 from workbench.analysis.pd import long_prompts, pd_study, role_mismatches
 from workbench.cli import parse_prompts
-from workbench.integrations.vllm import speculative_config
+from workbench.analysis.vllm_keys import speculative_config
 
 MHA_TWIN = Path(__file__).resolve().parents[2] / "assets" / "tiny-kimi" / "draft-mha"
 KIMI = "Kimi-K2.7-Code (61 layers, 64 heads, kv_lora 512, rope 64, hidden 7168)"  # Kimi-K2's architecture

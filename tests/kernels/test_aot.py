@@ -112,13 +112,13 @@ def test_aot_shards_keep_a_target_and_dtype_together():
 @pytest.mark.slow
 def test_bench_kernels_aot_prints_the_table(aot_results, capsys, monkeypatch):
     """`workbench bench-kernels --aot` on a small grid: one line per variant, bytes and FLOPs."""
-    from workbench.kernels import bench
+    from workbench.kernels import bench_cli
     from workbench.kernels.triton_mla import mla_bytes
 
     # the table is the module's job; reuse the fixture's compiles instead of compiling again
     monkeypatch.setattr(aot, "compile_variants",
                         lambda variants, jobs=None: [aot_results[v.label()] for v in variants])
-    assert bench.main(["--aot", "--archs", "90", "--dtypes", "bfloat16", "--paged", "yes",
+    assert bench_cli.main(["--aot", "--archs", "90", "--dtypes", "bfloat16", "--paged", "yes",
                        "--heads", "64", "--query-tokens", "1,4", "--batch", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [ln for ln in lines if re.match(r"\s+90 bfloat16", ln)]

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from workbench.kernels import bench, gpu_check
+from workbench.kernels import bench, bench_cli, gpu_check
 
 SAMPLE_TESTS = '''
 import pytest
@@ -43,7 +43,7 @@ def sample_suite(tmp_path):
 def test_gpu_report_refuses_without_cuda(tmp_path, capsys):
     out = tmp_path / "report.json"
     assert gpu_check.main(["--out", str(out)]) == 2
-    assert bench.main(["--gpu-report", str(out)]) == 2
+    assert bench_cli.main(["--gpu-report", str(out)]) == 2
     assert "CUDA" in capsys.readouterr().err and not out.exists()
     with pytest.raises(RuntimeError, match="CUDA"):
         gpu_check.run(out)

@@ -238,7 +238,7 @@ def test_package_imports_without_triton():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_bench_without_gpu_says_so(capsys):
-    from workbench.kernels.bench import main
+    from workbench.kernels.bench_cli import main
 
     assert main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

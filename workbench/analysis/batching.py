@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from statistics import median
 
 from workbench.analysis.degeneracy import accept_split
-from workbench.analysis.metrics import compute_stats
+from workbench.decoding.stats import compute_stats
 from workbench.analysis.protocol import Arm, Interval, Measurements, Progress, Timing, check_protocol, measure
 from workbench.decoding.adaptive import ConfidenceStop, GoodputEMA, KPolicy, StepCosts
 from workbench.decoding.batch import BatchDecoder, BatchStep
 from workbench.decoding.engine import MAX_K
 from workbench.decoding.events import GenerationResult
-from workbench.integrations.batch_schedule import BatchSchedule, schedule_from_best_k
+from workbench.batch_schedule import BatchSchedule, schedule_from_best_k
 
 
 @dataclass
@@ -166,7 +166,7 @@ class BatchSweepResult:
 
     def speculative_config(self, draft: str = "draft") -> dict:
         """What a vLLM user pastes: k = the largest swept, k by batch size as measured here."""
-        from workbench.integrations.vllm import speculative_config
+        from workbench.analysis.vllm_keys import speculative_config
 
         return speculative_config(draft, max(self.ks), schedule=self.schedule())
 

@@ -29,7 +29,8 @@ import time
 import torch
 
 from workbench.analysis.degeneracy import accept_split, dead_draft_note, detect_loop, random_prompt_warning
-from workbench.analysis.metrics import compute_stats
+from workbench.decoding.stats import compute_stats
+from workbench.decoding.engine import SpecDecoder, generate_autoregressive
 from workbench.kernels import cpu
 from workbench.machine import machine
 
@@ -103,12 +104,11 @@ def step_components(dec, prompt: str | list[int], max_new_tokens: int = 128, rep
     loop. `draft_ms` and `step_verify_ms` are the step's own split of its time; `verify_then_draft_ms`
     their sum, so `step_ms` above it is the step's host work.
     """
-    import workbench as wb
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"step components: repeats = {repeats!r}; expected an integer >= 1")
     pair, k = dec.pair, dec.k
-    ar = wb.generate_autoregressive(pair, prompt, max_new_tokens)
+    ar = generate_autoregressive(pair, prompt, max_new_tokens)
     seq = ar.prompt_tokens + ar.tokens[: max(0, len(ar.tokens) - 1) // 2]
     cache_len = dec.cache_rows(len(ar.prompt_tokens), max_new_tokens, pair.context_length)
     if len(seq) + 2 * (k + 1) > cache_len:
@@ -176,10 +176,9 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     `components` > 0, also `step_components` on the first prompt, that many calls of each part.
     `heal` heals each prompt's last token (`workbench.decoding.healing`) in both methods."""
     # long: the timing loop and the report it fills share their locals; split, they would travel as arguments
-    import workbench as wb
 
-    dec = wb.SpecDecoder(pair, num_speculative_tokens=k, attention=attention, fused=fused)
-    ar_fn = lambda p: wb.generate_autoregressive(pair, p, max_new_tokens, attention=attention, heal=heal)  # noqa: E731
+    dec = SpecDecoder(pair, num_speculative_tokens=k, attention=attention, fused=fused)
+    ar_fn = lambda p: generate_autoregressive(pair, p, max_new_tokens, attention=attention, heal=heal)  # noqa: E731
     # Warm-up, outside the timing: with a compiled pair this is where every graph compiles
     # (verify and draft steps of 1 and of several tokens both occur within 32 tokens).
     cache_before = _graph_cache_counts()
@@ -262,13 +261,12 @@ def peer_bench(pair, prompts: list[str], max_new_tokens: int, k: int, attention:
         import transformers
     except ImportError:
         return {"transformers": {"note": "transformers not installed"}}
-    import workbench as wb
 
     model = transformers.AutoModelForCausalLM.from_pretrained(pair.verifier_dir, dtype=pair.dtype).to(pair.device).eval()
     out = {}
     ours_tok, ours_t = 0, 0.0
     for p in prompts:
-        r, t = _timed(lambda: wb.generate_autoregressive(pair, p, max_new_tokens, attention=attention))
+        r, t = _timed(lambda: generate_autoregressive(pair, p, max_new_tokens, attention=attention))
         ours_tok, ours_t = ours_tok + len(r.tokens), ours_t + t
     for name, extra in (("transformers_generate", {}), ("transformers_prompt_lookup", {"prompt_lookup_num_tokens": k})):
         toks, secs, same = 0, 0.0, 0

@@ -21,30 +21,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from workbench.analysis.metrics import compute_stats, expected_accept_length
+from workbench.decoding.stats import compute_stats, expected_accept_length
 from workbench.analysis.protocol import BOOTSTRAP, Measurements, Timing, percentile_interval, resample
 from workbench.decoding.events import StepEvent
+from workbench.decoding.stats import Line
 
 MODEL_RESAMPLES = BOOTSTRAP // 4  # each resample refits the model: fewer, still a stable 95% interval
-
-
-@dataclass(frozen=True)
-class Line:
-    """y = a + b * x, least squares; b = 0 where fewer than two x were measured."""
-
-    a: float
-    b: float
-
-    @classmethod
-    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> "Line":
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-        return cls(my - b * mx, b)
-
-    def __call__(self, x: float) -> float:
-        return self.a + self.b * x
 
 
 @dataclass

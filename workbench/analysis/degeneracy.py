@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from workbench.analysis.metrics import compute_stats
+from workbench.decoding.stats import compute_stats
 from workbench.decoding.events import StepEvent
 
 NGRAM = 6  # the n of the n-grams compared

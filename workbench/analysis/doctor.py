@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from workbench.analysis.degeneracy import DEAD_DRAFT, AcceptSplit, accept_split, dead_draft_note, random_prompt_warning
-from workbench.analysis.field_checks import aux_id_readings, field_checks
-from workbench.analysis.metrics import compute_stats
+from workbench.analysis.field_checks import Check, aux_id_readings, field_checks
+from workbench.decoding.stats import compute_stats
 from workbench.decoding.engine import SpecDecoder
 from workbench.models.rope import RotaryEmbedding
 from workbench.variants import REMOVED
@@ -47,13 +47,6 @@ MARGIN_REL = 0.02  # ... and by more than this fraction of it, to be flagged (ru
 # but a few prompts make small differences meaningless)
 MIN_ACCEPT = DEAD_DRAFT  # below this the draft is barely ever accepted: dead (misconfigured or untrained)
 NOISE_Z = 2.0  # ... and its paired per-position z-score must exceed this
-
-
-@dataclass
-class Check:
-    name: str
-    status: str  # "ok" | "warn" | "fail" | "info"
-    detail: str
 
 
 @dataclass
@@ -225,7 +218,7 @@ def engine_alternatives(pair) -> list[Alternative]:
     """How the draft runs under each engine's reading of its config, where that differs from the
     configured run (vLLM's ids, with the draft's own fc_norm and norm_output): SGLang's ids, and
     vLLM dropping EAGLE-3.1's flags. These are the accept lengths each engine would see."""
-    from workbench.integrations.engines import config_view, engine_readings
+    from workbench.engine_readings import config_view, engine_readings
 
     v, d = pair.plain
     n, ids = v.config.num_hidden_layers, tuple(v.aux_layer_ids)

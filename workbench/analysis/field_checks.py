@@ -14,7 +14,7 @@ crashed serving in vLLM or SGLang:
   `eagle_aux_hidden_state_layer_ids`, else (2, L // 2, L - 3)): SpecForge/TorchSpec's
   [1, 29, 57] ("output of layer i") happen to be vLLM's (2, 30, 58); other ids are not.
 
-- engines that read one config differently (`workbench.integrations.engines`): SGLang reads
+- engines that read one config differently (`workbench.engine_readings`): SGLang reads
   eagle_config's ids as "output of layer i" where vLLM reads the top level as capture-before, and
   vLLM's MLA draft class applies no EAGLE-3.1 `fc_norm` / `norm_output`.
 
@@ -23,8 +23,10 @@ doctor's probes the layer ids each reading of a draft config implies.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from workbench.config import DraftConfig, VerifierConfig
-from workbench.integrations.engines import cannot_run, config_view, engine_readings, problems
+from workbench.engine_readings import cannot_run, config_view, engine_readings, problems
 
 # vLLM's ModelConfig.is_deepseek_mla model types (the arch-config convertor, 2026 versions).
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_mtp", "kimi_k2", "kimi_linear",
@@ -34,9 +36,16 @@ MTP_REWRITTEN = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 DEFAULT_MAX_POSITIONS = 4096  # transformers' DeepseekV3Config default, what a config without the field gets
 
 
-def _check(name: str, status: str, detail: str):
-    from workbench.analysis.doctor import Check  # here, not at the top: doctor imports this module's checks
+@dataclass
+class Check:
+    """One line of the doctor's report."""
 
+    name: str
+    status: str  # "ok" | "warn" | "fail" | "info"
+    detail: str
+
+
+def _check(name: str, status: str, detail: str) -> Check:
     return Check(name, status, detail)
 
 

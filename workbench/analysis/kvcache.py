@@ -9,6 +9,7 @@ kv_lora_rank + qk_rope_head_dim values per token per layer; a Llama-style EAGLE-
 from __future__ import annotations
 
 from workbench.config import ConfigError, DraftConfig, VerifierConfig
+from workbench.decoding.disagg import MODES
 
 # Kimi-K2 (0711) text model, eagle3_mla.md §1.2.
 KIMI_K2_VERIFIER = VerifierConfig.from_hf(
@@ -157,7 +158,7 @@ def memory_table(
     return rows
 
 
-HANDOVER_MODES = ("full", "recompute", "cold")  # workbench.decoding.disagg.MODES
+HANDOVER_MODES = MODES  # what crosses between the instances: workbench.decoding.disagg
 
 
 def handover_bytes(vcfg: VerifierConfig, dcfg: DraftConfig, prompt_len: int, mode: str, dtype_bytes: int = 2) -> dict:

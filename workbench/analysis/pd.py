@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 from workbench.analysis.degeneracy import accept_split
 from workbench.analysis.kvcache import HANDOVER_MODES, handover_bytes
-from workbench.analysis.metrics import compute_stats
+from workbench.decoding.stats import compute_stats
 from workbench.analysis.protocol import Arm, measure
 from workbench.decoding.disagg import decode_instance, prefill_instance
 from workbench.decoding.engine import SpecDecoder

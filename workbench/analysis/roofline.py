@@ -56,7 +56,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from workbench.analysis.kvcache import KIMI_K2_MLA_DRAFT, KIMI_K2_VERIFIER, bytes_per_token
-from workbench.analysis.metrics import expected_accept_length
+from workbench.decoding.stats import expected_accept_length
 from workbench.config import DraftConfig, MLADims, VerifierConfig
 
 KIMI_K2 = KIMI_K2_VERIFIER  # the presets built in code from eagle3_mla.md §1.2 (tests check them)

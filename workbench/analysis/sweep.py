@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 from workbench.analysis.costmodel import ModelCurve, model_curve
 from workbench.analysis.degeneracy import AcceptSplit, accept_split
-from workbench.analysis.metrics import compute_stats, stats_table
+from workbench.decoding.stats import compute_stats, stats_table
 from workbench.analysis.protocol import (Arm, Interval, Measurements, Progress, Timing, cells_to_separate,
                                          check_protocol, measure)
 from workbench.decoding.engine import MAX_K, RequestError, SpecDecoder, generate_autoregressive
 from workbench.decoding.events import GenerationStats
 from workbench.decoding.sampling import SyntheticAcceptor, check_synthetic_rates
-from workbench.integrations.vllm import spec_decode_metrics, speculative_config, synthetic_acceptance_config
+from workbench.analysis.vllm_keys import spec_decode_metrics, speculative_config, synthetic_acceptance_config
 
 
 @dataclass

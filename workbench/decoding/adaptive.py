@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from workbench.analysis.costmodel import Line  # the step-cost model's least-squares line
+from workbench.decoding.stats import Line  # the step-cost model's least-squares line
 
 
 class KPolicy(Protocol):
@@ -69,7 +69,7 @@ class StaticK:
 
 class ScheduleK(StaticK):
     """k from the step's batch size, as vLLM's `num_speculative_tokens_per_batch_size` sets it
-    (`workbench.integrations.batch_schedule`), never above the request's own k."""
+    (`workbench.batch_schedule`), never above the request's own k."""
 
     def __init__(self, schedule) -> None:
         self.schedule = schedule

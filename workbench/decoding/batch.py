@@ -38,6 +38,7 @@ from workbench.decoding.logits import Context
 from workbench.decoding.proposers import NgramProposer, Proposal
 from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingParams, Verdict, acceptor_for,
                                          check_finite, greedy_verdicts, next_token, nonfinite_error, shown_prob)
+from workbench.decoding.stats import compute_stats
 
 
 @dataclass
@@ -434,6 +435,4 @@ class BatchDecoder:
 
 
 def _empty_stats():
-    from workbench.analysis.metrics import compute_stats
-
     return compute_stats([])

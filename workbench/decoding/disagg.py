@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workbench.analysis.kvcache import HANDOVER_MODES as MODES
 from workbench.decoding.engine import SpecDecoder
 from workbench.decoding.events import GenerationResult, StepEvent
 from workbench.decoding.proposers import EagleProposer
 from workbench.decoding.step import ProposeVerifyAccept
+
+MODES = ("full", "recompute", "cold")  # what the prefill instance hands over: the draft KV, its input, or nothing
 
 
 @dataclass

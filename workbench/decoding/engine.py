@@ -23,6 +23,7 @@ from workbench.decoding.logits import Context, bad_word_sequences
 from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingError, SamplingParams, SyntheticAcceptor,
                                          acceptor_for, check_synthetic_rates,
                                          check_finite, next_token, shown_prob)
+from workbench.decoding.stats import compute_stats
 from workbench.decoding.step import ProposeVerifyAccept, Step
 
 MAX_K = 16
@@ -266,8 +267,6 @@ class SpecDecoder:
 
 def _result(events: list[StepEvent], em: _Emitter, elapsed: float, k: int,
             rule: str = "none (autoregressive)") -> GenerationResult:
-    from workbench.analysis.metrics import compute_stats
-
     stats = compute_stats(events, elapsed=elapsed, num_tokens=len(em.tokens))
     return GenerationResult(list(em.tokens), em.final_text(), events, stats, em.req.prompt_ids,
                             em.finish or "length", k, rule)

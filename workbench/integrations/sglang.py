@@ -2,7 +2,7 @@
 
 SGLang serves MLA EAGLE-3 and EAGLE-3.1 drafts with `Eagle3DeepseekV2ForCausalLM`
 (`python/sglang/srt/models/kimi_k25_eagle3.py`); what it reads of a draft's config is in
-`workbench.integrations.engines`, and `workbench export-vllm` writes a config both engines read
+`workbench.engine_readings`, and `workbench export-vllm` writes a config both engines read
 alike. The command uses `python -m sglang.launch_server` with the speculative flags as SGLang's
 `ServerArgs` names them: chain drafting is `--speculative-eagle-topk 1` with
 `--speculative-num-draft-tokens` = steps + 1 (the root token counts).
@@ -20,6 +20,8 @@ has no per-position counter.
 from __future__ import annotations
 
 import shlex
+
+from workbench.integrations.spec_counters import SpecCounters
 
 PREFIX = "sglang:"
 COUNTERS = {"verify": "sglang:spec_verify_calls", "generated": "sglang:generation_tokens",
@@ -74,11 +76,9 @@ def _family(name: str) -> tuple[str, str] | None:
     return None
 
 
-def counters_from_samples(samples) -> "SpecCounters":
+def counters_from_samples(samples) -> SpecCounters:
     """SGLang's samples ((name, labels, value), already filtered by model) as vLLM's counters, or
     counters with version "" when none of SGLang's speculative metrics is among them."""
-    from workbench.integrations.vllm import SpecCounters
-
     totals: dict[str, float] = {}
     gauges: dict[str, list[float]] = {}
     for name, _labels, value in samples:

@@ -7,7 +7,7 @@
 vLLM is optional (CUDA only) and is imported inside `run_offline`; prometheus_client, used
 only to parse `/metrics`, is imported inside `parse_spec_metrics`. Metric names and
 definitions are vLLM V1's (`vllm/v1/spec_decode/metrics.py`, peers.md §2.1); the rates
-come from `workbench.analysis.metrics.counter_rates`, shared with our own engine's stats.
+come from `workbench.decoding.stats.counter_rates`, shared with our own engine's stats.
 """
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from workbench.analysis.metrics import counter_rates
+from workbench.analysis.vllm_keys import spec_decode_metrics, speculative_config, synthetic_acceptance_config  # noqa: F401 (re-exported: the hand-off's own API)
 from workbench.config import nested_aux_ids
+from workbench.decoding.stats import counter_rates
+from workbench.integrations.spec_counters import SpecCounters
 
 if TYPE_CHECKING:  # export_draft's annotation only; pair.py imports torch
     from workbench.pair import ModelPair
@@ -48,63 +50,6 @@ class ScrapeError(RuntimeError):
 
 
 # ---- serving ------------------------------------------------------------------------------
-
-
-def speculative_config(draft: str, k: int = 3, method: str = "eagle3", schedule=None) -> dict:
-    """vLLM's `speculative_config`, keys in the order the seed's command writes them. `schedule`: a
-    batch-size schedule (a `BatchSchedule`, or either syntax `read_schedule` reads), checked against
-    k and written as `num_speculative_tokens_per_batch_size` in the map syntax."""
-    if not draft:
-        raise ValueError("draft: empty; expected a draft checkpoint path or Hugging Face id")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k = {k!r}; expected num_speculative_tokens >= 1")
-    spec = {"model": draft, "method": method, "num_speculative_tokens": k}
-    if schedule is not None:
-        from workbench.integrations.batch_schedule import FIELD, read_schedule
-
-        ranges = schedule.to_list() if hasattr(schedule, "to_list") else schedule
-        spec[FIELD] = read_schedule(ranges, k).to_map()
-    return spec
-
-
-def synthetic_acceptance_config(draft: str, k: int, rates: list[float] | None = None, length: float | None = None,
-                                method: str = "eagle3") -> dict:
-    """`speculative_config` that replays an acceptance at a deployment's own speed: vLLM's
-    `rejection_sample_method: "synthetic"` with exactly one of `synthetic_acceptance_rates` (k
-    unconditional per-position rates, in [0, 1], non-increasing) or `synthetic_acceptance_length`
-    (in [1, k + 1]), the rules `SpeculativeConfig._resolve_synthetic_acceptance_rates` enforces."""
-    from workbench.decoding.sampling import check_synthetic_rates  # imports torch: only when asked
-
-    spec = speculative_config(draft, k, method)
-    if (rates is None) == (length is None):
-        raise ValueError("synthetic acceptance: expected exactly one of rates or length, as vLLM requires")
-    spec["rejection_sample_method"] = "synthetic"
-    if rates is not None:
-        rates = check_synthetic_rates(rates, k)  # in [0, 1], non-increasing, at most k
-        if len(rates) != k:
-            raise ValueError(f"synthetic_acceptance_rates = {rates}; expected exactly {k}, as vLLM requires")
-        spec["synthetic_acceptance_rates"] = rates
-    else:
-        if not 1.0 <= length <= k + 1:
-            raise ValueError(f"synthetic_acceptance_length = {length}; expected a value in [1, {k + 1}]")
-        spec["synthetic_acceptance_length"] = float(length)
-    return spec
-
-
-def spec_decode_metrics(stats, k: int) -> dict:
-    """A `GenerationStats` as vLLM's per-request `metrics.speculative_decoding` (vLLM #48915, summary
-    level): `acceptance_histogram[j]` is the verify steps that accepted exactly j draft tokens."""
-    hist = list(stats.accepted_length_histogram) + [0] * (k + 1 - len(stats.accepted_length_histogram))
-    rates = counter_rates(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos)
-    return {
-        "mean_acceptance_length": rates["accept_length"],
-        "draft_acceptance_rate": rates["draft_acceptance_rate"],
-        "acceptance_histogram": hist[:k + 1],
-        "num_spec_steps": stats.num_drafts,
-        "num_accepted_draft_tokens": stats.num_accepted_tokens,
-        "num_draft_tokens": stats.num_draft_tokens,
-        "num_spec_tokens": k,
-    }
 
 
 def serve_command(
@@ -137,30 +82,6 @@ def serve_command(
 
 
 # ---- counters -----------------------------------------------------------------------------
-
-
-@dataclass
-class SpecCounters:
-    """vLLM's speculative-decoding counters, summed over engines (cumulative since start)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    num_emitted_tokens: int | None = None  # V0 only
-    version: str = ""  # "v1", "v0", "sglang", or "" when the server exposes no spec-decode counters
-    drafts_derived: bool = False  # V0: num_drafts = emitted - accepted (see parse_spec_metrics)
-    # SGLang's own gauges (its last logged batch, mean over ranks), beside the counters derived from its totals
-    engine_accept_length: float | None = None
-    engine_accept_rate: float | None = None
-
-    @property
-    def has_spec(self) -> bool:
-        return bool(self.version)
-
-    def rates(self) -> dict:
-        """accept_length, draft_acceptance_rate, per-position (unconditional and conditional)."""
-        return counter_rates(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.accepted_per_pos)
 
 
 def _add_pos(per_pos: list[int], labels: dict, value: float, where: str) -> None:
@@ -431,7 +352,7 @@ def export_draft(pair: ModelPair, out_dir: str | Path, dtype: str = "bfloat16", 
     config.json follows the public Kimi-K2.5 MLA draft layout: `model_type` kimi_k2; the aux ids
     the draft was loaded with at the top level (the only place vLLM reads them, capture-before) and,
     one less, in eagle_config (SGLang, lmdeploy and trainers read "output of layer i" there), so
-    both engines fuse the same states (`workbench.integrations.engines`); `fc_norm` and its
+    both engines fuse the same states (`workbench.engine_readings`); `fc_norm` and its
     `fc_norm.{i}.weight` tensors for an EAGLE-3.1 draft (SGLang applies them; vLLM's class skips
     them, which is logged); `rope_theta`, `rope_scaling` and
     `max_position_embeddings` the verifier's (`rope_from="draft"` keeps the draft's own; a
@@ -517,7 +438,7 @@ def export_config(cfg, verifier_cfg, dtype: str = "bfloat16", rope_from: str = "
 def _warn_engine_readings(config: dict, cfg, num_layers: int, where: str) -> None:
     """Log each engine that would fuse other states than the draft was trained on, or drop its
     EAGLE-3.1 flags (e.g. vLLM and fc_norm): the export is still right for the engines that agree."""
-    from workbench.integrations.engines import disagreements, engine_readings
+    from workbench.engine_readings import disagreements, engine_readings
 
     for line in disagreements(engine_readings(config, num_layers), tuple(cfg.aux_layer_ids), cfg.fc_norm,
                               cfg.norm_output):

@@ -227,10 +227,8 @@ def compile_variants(variants: list[Variant], jobs: int | None = None) -> list[d
     when there are several splits: shared/register/spill figures, the config) and `configs`
     (the whole stage-1 list; the first one is what was compiled).
     """
-    import workbench
-
     jobs = default_jobs() if jobs is None else jobs
-    package_root = str(Path(workbench.__file__).resolve().parents[1])
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder that holds `workbench/`
     with tempfile.TemporaryDirectory(prefix="workbench-aot-") as tmp:
         procs = []
         for i, shard in enumerate(_shards(variants, jobs)):

@@ -11,16 +11,9 @@ heads, L = 512, R = 64, 64-token pages in shuffled order):
 * FlashInfer's MLA kernel when `flashinfer` imports (optional);
 * the time of the largest query-token count relative to one token (verification cost).
 
-`--aot` needs no GPU: the kernels compiled for sm_80/90/100, their registers, spills and shared
-memory (workbench/kernels/aot.py). `--gpu-report OUT.json` runs the kernel parity tests and this
-bench on a CUDA machine and writes both to one file (workbench/kernels/gpu_check.py).
+The command's options, `--aot` and `--gpu-report` included, are in `workbench/kernels/bench_cli.py`.
 """
 from __future__ import annotations
-
-import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
 
@@ -177,59 +170,5 @@ def format_table(result: dict) -> str:
     return "\n".join(lines + [f"note: {n}" for n in notes])
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def int_list(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """`workbench bench-kernels`'s options (the CLI hands its argv to this parser)."""
-    from workbench.kernels import aot
-
-    parser = argparse.ArgumentParser(prog="workbench bench-kernels", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--batches", type=_ints, default=(1, 8, 32, 64), help="e.g. 1,8,32,64")
-    parser.add_argument("--contexts", type=_ints, default=(1024, 4096, 16384), help="tokens")
-    parser.add_argument("--query-tokens", type=_ints, default=(1, 4), help="e.g. 1,4")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--aot", action="store_true",
-                      help="no GPU needed: compile the kernels for sm_80/90/100 and print registers, "
-                           "spills, shared memory, bytes and FLOPs per call (workbench/kernels/aot.py)")
-    mode.add_argument("--gpu-report", metavar="OUT.json", default=None,
-                      help="CUDA: run the kernel parity tests, then this bench; write one JSON "
-                           "(workbench/kernels/gpu_check.py)")
-    grid = parser.add_argument_group("--aot grid (with --query-tokens)")
-    aot.add_grid_arguments(grid, query_tokens=False)
-    from workbench.kernels import gpu_check
-
-    gpu_check.add_arguments(parser.add_argument_group("--gpu-report"))
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point for `workbench bench-kernels`; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    if args.aot:
-        from workbench.kernels import aot
-
-        return aot.run_from_args(args)
-    if args.gpu_report:
-        from workbench.kernels import gpu_check
-
-        return gpu_check.run_from_args(Path(args.gpu_report), args.pytest_args, args.batches,
-                                       args.contexts, args.query_tokens)
-    if not torch.cuda.is_available():
-        print(NEEDS_GPU, file=sys.stderr)
-        return 2
-    from workbench.kernels import triton_available
-
-    if not triton_available():
-        print("workbench bench-kernels: triton does not import here; install triton>=3.6",
-              file=sys.stderr)
-        return 2
-    result = run(batches=args.batches, contexts=args.contexts, query_tokens=args.query_tokens)
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

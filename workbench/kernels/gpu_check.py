@@ -103,15 +103,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m workbench.kernels.gpu_check --out X.json`; 2 without a CUDA GPU."""
-    from workbench.kernels.bench import _ints
+    from workbench.kernels.bench import int_list
 
     parser = argparse.ArgumentParser(prog="python -m workbench.kernels.gpu_check",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="the JSON report to write")
     add_arguments(parser)
-    parser.add_argument("--batches", type=_ints, default=(1, 8, 32, 64))
-    parser.add_argument("--contexts", type=_ints, default=(1024, 4096, 16384))
-    parser.add_argument("--query-tokens", type=_ints, default=(1, 4))
+    parser.add_argument("--batches", type=int_list, default=(1, 8, 32, 64))
+    parser.add_argument("--contexts", type=int_list, default=(1024, 4096, 16384))
+    parser.add_argument("--query-tokens", type=int_list, default=(1, 4))
     args = parser.parse_args(argv)
     return run_from_args(Path(args.out), args.pytest_args, args.batches, args.contexts,
                          args.query_tokens)

@@ -83,7 +83,7 @@ def reduce_draft_vocab(draft: Eagle3Draft, keep: torch.Tensor) -> Eagle3Draft:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import workbench as wb
+    from workbench.pair import load_pair
     from workbench.pair import save_model
 
     p = argparse.ArgumentParser(prog="python -m workbench.training.draft_vocab", description=__doc__.split("\n\n")[0])
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="bfloat16", help="dtype of the saved weights")
     args = p.parse_args(argv)
-    pair = wb.load_pair(args.verifier, args.draft, dtype="float32", fast="off")  # the plain draft is reduced
+    pair = load_pair(args.verifier, args.draft, dtype="float32", fast="off")  # the plain draft is reduced
     counts = count_tokens(args.data, pair.verifier.config.vocab_size)
     keep = select_tokens(counts, args.size, always=tuple(pair.eos_token_ids))  # EOS stays proposable
     reduced = reduce_draft_vocab(pair.draft, keep)

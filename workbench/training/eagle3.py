@@ -293,15 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         if f.name != "out":
             ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     a = ap.parse_args(argv)
-    import workbench as wb
-    from workbench.pair import EMBEDDED
+    from workbench.pair import EMBEDDED, load_draft, load_verifier
     from workbench.tokenizer import Tokenizer
     from workbench.training.draft_init import draft_config_for, init_draft
 
     vdir = Path(a.verifier) if a.verifier else EMBEDDED / "verifier"
-    verifier = wb.load_verifier(vdir, device=a.device, dtype="float32")
+    verifier = load_verifier(vdir, device=a.device, dtype="float32")
     if a.init:
-        draft = wb.load_draft(a.init, verifier).float()
+        draft = load_draft(a.init, verifier).float()
         if (a.fc_norm and not draft.config.fc_norm) or (a.norm_output and not draft.config.norm_output):
             raise SystemExit(f"workbench train-draft: --init {a.init} has fc_norm = {draft.config.fc_norm}, "
                              f"norm_output = {draft.config.norm_output}; --fc-norm / --norm-output shape a fresh "

@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
     from pathlib import Path
 
-    import workbench as wb
-    from workbench.pair import EMBEDDED
+    from workbench.pair import EMBEDDED, load_verifier
     from workbench.tokenizer import Tokenizer
     from workbench.training.eagle3 import corpus_stream
 
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", default="windows", choices=["windows", "docstrings"],
                     help="random windows of the train split, or its functions cut after their docstrings")
     a = ap.parse_args(argv)
-    verifier = wb.load_verifier(a.verifier, dtype="float32")
+    verifier = load_verifier(a.verifier, dtype="float32")
     tok = Tokenizer.from_dir(a.verifier)
     if a.prompts == "docstrings":
         from workbench.training.corpus import docstring_prompts
