@@ -148,6 +148,10 @@ def docstring_prompts(split: str = "eval", root: str | Path | None = None,
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["build"]:
+        # python -m workbench.training.corpus build --packages ... --out /work/data/corpus
+        from workbench.training import corpus_build
+        sys.exit(corpus_build.main(sys.argv[2:]))
     # python -m workbench.training.corpus assets/prompts/code.jsonl
     with open(sys.argv[1], "w", encoding="utf-8") as f:
         for row in docstring_prompts():
