@@ -145,3 +145,16 @@ def test_build_chat_caps_the_share(tmp_path):
     assert sum(len(r["text"].encode()) for r in rows) == figures["train"]["bytes"]
     assert all(r["text"] == cp.render(r["messages"]) for r in rows)
     assert set(rows[0]) == {"package", "version", "license", "path", "turns", "messages", "text"}
+
+
+def test_items_spelling_a_special_token_are_not_mined():
+    src = SOURCE + textwrap.dedent('''\
+
+        def chatml(text):
+            """Wrap text in a ChatML turn for the user."""
+            start = "<|im_start|>user\\n"
+            return start + text + "<|im_end|>"
+        ''')
+    assert "chatml" in {it.name for it in cp.mine_items(src)}
+    for conv in cp.conversations(src, "pkg/geometry.py", max_per_file=10):
+        assert "chatml" not in json.dumps(conv)

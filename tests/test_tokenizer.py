@@ -312,3 +312,26 @@ def test_corpus_helpers(tmp_path):
     n_bytes, n_tokens = bpe.count_tokens(hf, bpe.corpus_texts(path), batch=2)
     assert n_bytes == 15
     assert n_tokens == sum(len(hf.encode(r["text"]).ids) for r in rows)
+
+
+# ---- the chat verifier's tokenizer (issue 42), trained on the PyPI + stdlib corpus ------------
+
+CHAT_TOKENIZER = VERIFIER.parents[1] / "corpus" / "tokenizer"
+
+
+def test_committed_chat_tokenizer():
+    tok = Tokenizer.from_dir(CHAT_TOKENIZER)
+    assert tok.vocab_size == 8192
+    assert [tok.encode(t) for t in bpe.CHAT_SPECIAL_TOKENS] == [[i] for i in range(8)]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
+    assert tok.chat_template == bpe.KIMI_CHAT_TEMPLATE
+    spec = json.loads((CHAT_TOKENIZER / "tokenizer.json").read_text())
+    assert spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == bpe.CODE_PATTERN
+    for text in TRICKY:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.token_texts(tok.encode("):\n        return")) == ["):", "\n        ", "return"]
+    prompt = tok.format_prompt("Write a Python function `add(a, b)`.")
+    ids = tok.encode(prompt)
+    tail = [5, *tok.encode("assistant"), 6]  # <|im_assistant|>assistant<|im_middle|>
+    assert ids[0] == 3 and ids[-len(tail):] == tail
+    assert tok.decode(ids) == prompt

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from workbench.training.tokenizer import KIMI_CHAT_TEMPLATE
+from workbench.training.tokenizer import CHAT_SPECIAL_TOKENS, KIMI_CHAT_TEMPLATE
 
 MIN_LINES = 3  # a def line, a docstring and at least one statement
 MAX_LINES = 80
@@ -140,6 +140,8 @@ def _summary(doc: str) -> str:
 
 def _usable(doc: str) -> bool:
     summary = _summary(doc)
+    if any(t in doc for t in CHAT_SPECIAL_TOKENS):
+        return False
     if not MIN_REQUEST_CHARS <= len(summary) <= MAX_REQUEST_CHARS:
         return False
     if summary.startswith((":", "..", ">>>", "@", "Args", "Parameters", "See ", "Deprecated",
@@ -208,7 +210,8 @@ def answer_text(item: Item, path: str) -> str:
 def conversations(source: str, path: str,
                   max_per_file: int = MAX_PAIRS_PER_FILE) -> list[list[dict]]:
     """Single- and two-turn conversations mined from one file (`path` seeds the choices)."""
-    items = [it for it in mine_items(source) if _usable(it.doc)]
+    items = [it for it in mine_items(source)
+             if _usable(it.doc) and not any(t in it.code for t in CHAT_SPECIAL_TOKENS)]
     if not items:
         return []
     items.sort(key=lambda it: _h("order", path, it.name))
