@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import re
 import subprocess
@@ -39,7 +38,7 @@ import tarfile
 import time
 import zipfile
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from pathlib import Path, PurePosixPath
@@ -473,18 +472,6 @@ def stdlib_documents(root: str | Path | None = None) -> Iterator[tuple[str, Docu
     for split in stdlib_corpus.SPLITS:
         for rel, text in stdlib_corpus.iter_documents(split, root):
             yield split, Document(STDLIB_PACKAGE, version, "PSF", rel, text)
-
-
-def split_packages(specs: Iterable[PackageSpec]) -> dict[str, list[str]]:
-    """Package names by split; raises if a package is in both (it cannot be, by construction
-    of the list, but the check documents the rule)."""
-    by = {"train": [], "eval": []}
-    for s in specs:
-        by[s.split].append(s.name)
-    both = set(by["train"]) & set(by["eval"])
-    if both:
-        raise ValueError(f"packages in both splits: {sorted(both)}")
-    return by
 
 
 # ---- build ------------------------------------------------------------------------------
