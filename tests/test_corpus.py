@@ -385,3 +385,32 @@ def test_shipped_package_list_and_manifest_agree():
     assert set(manifest["eval_packages"]) == eval_specs
     for name, entry in manifest["packages"].items():
         assert entry["license"] in cb.LICENSES, name
+
+
+def test_cli_build_corpus_counts_tokens_into_the_manifest(tmp_path, capsys):
+    from workbench.cli import main as cli_main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    docs = {"train": [("a", "def f(x):\n    return x\n"), ("b", "import os\n")],
+            "eval": [("c", "y = 2\n")]}
+    for split, rows in docs.items():
+        (out / f"{split}.jsonl").write_text("".join(
+            json.dumps({"package": p, "version": "1", "license": "MIT", "path": "m.py",
+                        "text": t}) + "\n" for p, t in rows))
+    packages = {p: {"split": s} for s, rows in docs.items() for p, _ in rows}
+    (out / "manifest.json").write_text(json.dumps({"packages": packages}))
+    tokenizer = ASSETS / "corpus" / "tokenizer"
+    assert cli_main(["build-corpus", "--out", str(out), "--tokenizer", str(tokenizer),
+                     "--count-only"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    for package, text in [*docs["train"], *docs["eval"]]:
+        assert manifest["packages"][package]["tokens"] == len(hf.encode(text).ids)
+    files = manifest["tokens"]["files"]
+    assert set(files) == {"train.jsonl", "eval.jsonl"}
+    assert files["train.jsonl"]["bytes"] == 33
+    printed = capsys.readouterr().out  # a line per file, then the figures as JSON
+    assert json.loads(printed[printed.index("{\n"):])["files"] == files
