@@ -97,6 +97,10 @@ def test_conversations_are_deterministic_and_a_second_turn_calls_the_first(monke
         conv = by_first["area"]
         assert len(conv) == 4 and "total_area" in conv[2]["content"]
         assert "def total_area(" in conv[3]["content"]
+        assert "Using that" in conv[2]["content"] or "which uses `area`" in conv[2]["content"]
+    for conv in convs:  # a follow-up that does not call the first never claims it does
+        if len(conv) == 4 and "Using that" not in conv[2]["content"]:
+            assert "which uses" not in conv[2]["content"]
     names = [n for c in convs for m in c[1::2] for n in [m["content"]]]
     assert len(names) == len(set(names))  # no item answered twice
 
@@ -158,3 +162,16 @@ def test_items_spelling_a_special_token_are_not_mined():
     assert "chatml" in {it.name for it in cp.mine_items(src)}
     for conv in cp.conversations(src, "pkg/geometry.py", max_per_file=10):
         assert "chatml" not in json.dumps(conv)
+
+
+def test_a_follow_up_says_it_builds_on_the_first_only_when_it_calls_it(monkeypatch):
+    monkeypatch.setattr(cp, "TWO_TURN_FRACTION", 1.0)
+    src = SOURCE.split("def undocumented")[0]  # area, then total_area which calls it
+    seen = set()
+    for path in ("a.py", "b.py", "c.py", "d.py", "e.py", "f.py"):
+        (conv,) = cp.conversations(src, path)
+        first = conv[1]["content"].split("def ", 1)[1].split("(")[0]
+        says = ("Using that" in conv[2]["content"] or "which uses `area`" in conv[2]["content"])
+        assert says == (first == "area"), (path, first, conv[2]["content"])
+        seen.add(first)
+    assert seen == {"area", "total_area"}  # both orders occur over these paths

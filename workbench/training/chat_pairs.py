@@ -172,7 +172,11 @@ _CLASS_REQUESTS = (
 _FOLLOW_UPS = (
     "Now write `{sig}`: {summary}",
     "Next, in the same module, implement `{sig}`.\n\n{doc}",
+)
+# Only for a second function that calls the first: the request then says so truthfully.
+_FOLLOW_UPS_USING = (
     "Thanks. Using that, write `{sig}` that: {summary}",
+    "Now write `{sig}`, which uses `{uses}`: {summary}",
 )
 _LEADS = ("", "", "Here is `{name}`:\n\n", "Here is an implementation:\n\n",
           "Sure. Here is `{name}`:\n\n")
@@ -184,10 +188,12 @@ def _module(path: str) -> str:
     return mod[: -len(".__init__")] if mod.endswith(".__init__") else mod
 
 
-def request_text(item: Item, path: str, follow_up: bool = False) -> str:
-    """The instruction for `item`, by a template picked from sha1(path, name)."""
+def request_text(item: Item, path: str, follow_up: bool = False,
+                 uses: str | None = None) -> str:
+    """The instruction for `item`, by a template picked from sha1(path, name); a follow-up
+    whose code calls the previous answer's function `uses` may say it builds on it."""
     if follow_up:
-        templates = _FOLLOW_UPS
+        templates = _FOLLOW_UPS_USING if uses else _FOLLOW_UPS
     else:
         templates = {"function": _FUNCTION_REQUESTS, "method": _METHOD_REQUESTS,
                      "class": _CLASS_REQUESTS}[item.kind]
@@ -197,7 +203,7 @@ def request_text(item: Item, path: str, follow_up: bool = False) -> str:
         template = template.replace("{doc}", "{summary}")
     owner, _, short = item.name.rpartition(".")
     return template.format(sig=item.signature, summary=_summary(doc), doc=doc, name=item.name,
-                           owner=owner, short=short, module=_module(path))
+                           owner=owner, short=short, module=_module(path), uses=uses)
 
 
 def answer_text(item: Item, path: str) -> str:
@@ -231,7 +237,8 @@ def conversations(source: str, path: str,
             second = (callers or rest or [None])[0]
             if second is not None:
                 used.add(second.name)
-                messages += [{"role": "user", "content": request_text(second, path, True)},
+                uses = short if callers else None
+                messages += [{"role": "user", "content": request_text(second, path, True, uses)},
                              {"role": "assistant", "content": answer_text(second, path)}]
         convs.append(messages)
     return convs
