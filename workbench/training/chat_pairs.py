@@ -138,14 +138,22 @@ def _summary(doc: str) -> str:
     return " ".join(para.split())
 
 
+# Openings of a docstring or comment that say where code came from or why it is odd, not
+# what it does ("Copied from transformers.models...", "Skipped because ...", "Returns: ...").
+_NOT_A_REQUEST = (":", "..", ">>>", "@", "//", "Args", "Parameters", "Returns", "See ",
+                  "see ", "Deprecated", "Alias", "Same as", "Docstring", "Copied from",
+                  "copied from", "Adapted from", "adapted from", "Modified from", "Based on",
+                  "Skip", "Not used", "Note:", "NOTE", "XXX", "HACK", "TODO", "FIXME",
+                  "Override", "Overrid", "Inherit", "pragma", "type:")
+
+
 def _usable(doc: str) -> bool:
     summary = _summary(doc)
     if any(t in doc for t in CHAT_SPECIAL_TOKENS):
         return False
     if not MIN_REQUEST_CHARS <= len(summary) <= MAX_REQUEST_CHARS:
         return False
-    if summary.startswith((":", "..", ">>>", "@", "Args", "Parameters", "See ", "Deprecated",
-                           "Alias", "Same as", "Docstring")):
+    if summary.startswith(_NOT_A_REQUEST):
         return False
     return sum(c.isalpha() for c in summary) >= 0.6 * len(summary)
 
