@@ -1,16 +1,21 @@
-"""The stdlib corpus: which files, which split, and the prompt set cut from it."""
+"""The stdlib corpus (which files, which split, the prompt set cut from it) and the PyPI corpus
+build of issue 42 (licences, filters, dedup, split by package), offline on constructed inputs."""
 
 import ast
 import hashlib
+import io
 import json
 import platform
 import random
+import tarfile
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from workbench.training import corpus
+from workbench.training import corpus_build as cb
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -172,12 +177,6 @@ def test_shipped_smoke_prompts():
 
 
 # ---- the PyPI corpus (corpus_build): licences, filters, dedup, split -------------------------
-
-import io
-import tarfile
-import zipfile
-
-from workbench.training import corpus_build as cb
 
 
 def _metadata(*headers: str, body: str = "") -> str:
