@@ -1,16 +1,21 @@
-"""The stdlib corpus: which files, which split, and the prompt set cut from it."""
+"""The stdlib corpus (which files, which split, the prompt set cut from it) and the PyPI corpus
+build of issue 42 (licences, filters, dedup, split by package), offline on constructed inputs."""
 
 import ast
 import hashlib
+import io
 import json
 import platform
 import random
+import tarfile
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from workbench.training import corpus
+from workbench.training import corpus_build as cb
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -169,3 +174,242 @@ def test_shipped_smoke_prompts():
     rows = _shipped("smoke.jsonl")
     assert len(rows) == 4
     assert all(isinstance(r["prompt"], str) and 0 < len(r["prompt"]) < 200 for r in rows)
+
+
+# ---- the PyPI corpus (corpus_build): licences, filters, dedup, split -------------------------
+
+
+def _metadata(*headers: str, body: str = "") -> str:
+    return "Metadata-Version: 2.4\nName: pkg\nVersion: 1.0\n" + "".join(
+        h + "\n" for h in headers) + "\n" + body
+
+
+@pytest.mark.parametrize("headers, expected, field", [
+    (["License-Expression: MIT"], "MIT", "License-Expression"),
+    (["License-Expression: BSD-3-Clause"], "BSD", "License-Expression"),
+    (["License-Expression: MIT OR Apache-2.0"], "MIT", "License-Expression"),
+    (["License-Expression: GPL-3.0-or-later OR Apache-2.0"], "Apache-2.0", "License-Expression"),
+    (["License-Expression: BSD-3-Clause AND 0BSD AND MIT AND Zlib"], "BSD", "License-Expression"),
+    (["Classifier: License :: OSI Approved :: Apache Software License"], "Apache-2.0",
+     "Classifier"),
+    (["Classifier: License :: OSI Approved :: BSD License",
+      "Classifier: Programming Language :: Python"], "BSD", "Classifier"),
+    (["Classifier: License :: OSI Approved :: Python Software Foundation License"], "PSF",
+     "Classifier"),
+    (["Classifier: License :: OSI Approved :: Apache Software License",
+      "Classifier: License :: OSI Approved :: BSD License"], "Apache-2.0", "Classifier"),
+    (["License: Apache 2.0"], "Apache-2.0", "License"),
+    (["License: BSD-3-Clause"], "BSD", "License"),
+    (["Classifier: License :: OSI Approved", "License: MIT"], "MIT", "License"),
+    # License-Expression wins over a contradicting classifier.
+    (["License-Expression: MIT", "Classifier: License :: OSI Approved :: BSD License"], "MIT",
+     "License-Expression"),
+])
+def test_permissive_licences_are_read_from_metadata(headers, expected, field):
+    info = cb.normalize_license(_metadata(*headers))
+    assert (info.license, info.field, info.reason) == (expected, field, "")
+
+
+def test_full_licence_text_in_the_license_field():
+    mit = ("License: MIT License\n        \n        Copyright (c) 2020 Someone\n        \n"
+           "        Permission is hereby granted, free of charge, to any person obtaining a copy\n"
+           "        of this software")
+    assert cb.normalize_license(_metadata(mit)).license == "MIT"
+    bsd = ("License: Copyright (c) X.\n        All rights reserved.\n        \n"
+           "        Redistribution and use in source and binary forms, with or without")
+    assert cb.normalize_license(_metadata(bsd)).license == "BSD"
+
+
+@pytest.mark.parametrize("headers, reason", [
+    (["License-Expression: GPL-2.0-or-later"], "not a permissive licence"),
+    (["License-Expression: MPL-2.0 AND MIT"], "mixed"),
+    (["License-Expression: LGPL-2.1"], "not a permissive licence"),
+    (["Classifier: License :: OSI Approved :: GNU General Public License v3 (GPLv3)"],
+     "non-permissive"),
+    (["Classifier: License :: OSI Approved :: BSD License",
+      "Classifier: License :: OSI Approved :: GNU General Public License (GPL)"], "mixed"),
+    (["Classifier: License :: OSI Approved :: Mozilla Public License 2.0 (MPL 2.0)"],
+     "non-permissive"),
+    (["License: Proprietary"], "not a permissive licence"),
+    (["License: UNKNOWN"], "empty License field"),
+    (["License: Copyright Foo Inc. All rights reserved. Some long custom terms that are not "
+      "any known licence and go on for a while, long enough to be a text.\n        More."],
+     "not recognised"),
+    ([], "no licence in metadata"),
+])
+def test_other_licences_exclude_the_package(headers, reason):
+    info = cb.normalize_license(_metadata(*headers))
+    assert info.license is None and reason in info.reason
+
+
+def _wheel(path: Path, name: str, files: dict[str, str | bytes], license_header: str) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        for rel, data in files.items():
+            zf.writestr(rel, data)
+        zf.writestr(f"{name}-1.0.dist-info/METADATA", _metadata(license_header))
+        zf.writestr(f"{name}-1.0.dist-info/RECORD", "")
+    return path
+
+
+LIB = "def f(x):\n    '''Double x.'''\n    return 2 * x\n"
+
+
+def test_extract_package_filters_a_fake_wheel(tmp_path):
+    table = "TABLE = [\n" + "    (1, 2, 3, 4.5, 'ab', 0x1F),\n" * 2000 + "]\n"
+    files = {
+        "pkg/__init__.py": "from .core import f\n",
+        "pkg/core.py": LIB,
+        "pkg/_vendor/six.py": "import sys\n",
+        "pkg/extern/other.py": "x = 1\n",
+        "pkg/big.py": "x = 1\n" * 100_000,
+        "pkg/bad.py": b"\xff\xfe not utf-8\n",
+        "pkg/table.py": table,
+        "pkg/long.py": "S = '" + "a" * 6000 + "'\n",
+        "pkg/gen.py": "# Generated by the tool. DO NOT EDIT.\nx = 1\n",
+        "pkg/empty.py": "\n",
+        "pkg/chatml.py": "END = '<|im_end|>'\nx = 1\n",
+        "pkg/data.json": "{}",
+        "pkg-1.0.data/purelib/extra.py": "y = 2\n",
+        "pkg-1.0.data/scripts/tool.py": "print(1)\n",
+    }
+    wheel = _wheel(tmp_path / "pkg-1.0-py3-none-any.whl", "pkg", files, "License: MIT")
+    got = cb.extract_package(wheel)
+    assert [p for p, _ in got.files] == ["extra.py", "pkg/__init__.py", "pkg/core.py"]
+    assert dict(got.skipped) == {"vendored": 2, "too_large": 1, "not_utf8": 1, "data": 1,
+                                 "long_lines": 1, "generated": 1, "empty": 1, "not_package": 1,
+                                 "special_tokens": 1}
+    assert cb.normalize_license(cb.read_metadata(wheel)).license == "MIT"
+
+
+def test_tests_are_kept_up_to_half_the_library_bytes(tmp_path):
+    lib = "x = 1\n" * 100  # 600 bytes of library code: test budget 300 bytes
+    files = {"pkg/mod.py": lib, "pkg/tests/test_a.py": "y = 1\n" * 30,  # 180 bytes
+             "pkg/tests/test_b.py": "z = 1\n" * 30, "pkg/conftest.py": "w = 1\n" * 10}
+    wheel = _wheel(tmp_path / "pkg-1.0-py3-none-any.whl", "pkg", files, "License: MIT")
+    got = cb.extract_package(wheel)
+    tests = [p for p, _ in got.files if cb.is_test_path(p)]
+    assert sum(len(t) for p, t in got.files if p in tests) <= 300
+    assert len(tests) == 2 and got.skipped["test_cap"] == 1
+    assert cb.is_test_path("a/testing/x.py") and cb.is_test_path("a/foo_test.py")
+    assert not cb.is_test_path("a/contest.py") and not cb.is_test_path("a/attest/x.py")
+
+
+def test_sdist_metadata_and_paths(tmp_path):
+    path = tmp_path / "Pkg-2.0.tar.gz"
+    with tarfile.open(path, "w:gz") as tf:
+        for rel, text in {"Pkg-2.0/PKG-INFO": _metadata("License-Expression: Apache-2.0"),
+                          "Pkg-2.0/src/pkg/core.py": LIB, "Pkg-2.0/setup.py": "x = 1\n"}.items():
+            data = text.encode()
+            info = tarfile.TarInfo(rel)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    assert cb.normalize_license(cb.read_metadata(path)).license == "Apache-2.0"
+    assert [p for p, _ in cb.extract_package(path).files] == ["pkg/core.py", "setup.py"]
+    assert cb._archive_key(path.name) == ("pkg", "2.0")
+    assert cb._archive_key("Scikit_Learn-1.6.1-cp311-cp311-manylinux_x86_64.whl") == (
+        "scikit_learn", "1.6.1")
+
+
+def test_dedup_exact_and_near_exact():
+    d = cb.Deduper()
+    a = "def f(x):\n    return x + 1\n"
+    assert d.keep(a)
+    assert not d.keep(a)  # exact
+    assert not d.keep("# a comment\ndef f(x):\n\n        return   x + 1\n")  # near
+    assert d.keep("def f(x):\n    return x + 2\n")
+    assert d.keep("def f(x):\n    return 'x  +  1'\n")
+    assert dict(d.counts) == {"exact": 1, "near": 1}
+
+
+def test_read_package_list(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("# comment\nfoo==1.0\n\nBar-baz==2.3.1 [eval]  # note\n")
+    assert cb.read_package_list(path) == [cb.PackageSpec("foo", "1.0"),
+                                          cb.PackageSpec("Bar-baz", "2.3.1", "eval")]
+    path.write_text("foo\n")
+    with pytest.raises(ValueError, match="name==version"):
+        cb.read_package_list(path)
+    path.write_text("foo==1\nFOO==2\n")
+    with pytest.raises(ValueError, match="duplicate"):
+        cb.read_package_list(path)
+
+
+def test_build_offline_splits_by_package_and_records_licences(tmp_path):
+    cache = tmp_path / "wheels"
+    cache.mkdir()
+    shared = "def shared(a, b):\n    '''Add.'''\n    return a + b\n"
+    _wheel(cache / "alpha-1.0-py3-none-any.whl", "alpha",
+           {"alpha/__init__.py": LIB, "alpha/util.py": shared}, "License-Expression: MIT")
+    _wheel(cache / "beta-1.0-py3-none-any.whl", "beta",
+           {"beta/__init__.py": "B = 1\n", "beta/copy_of_util.py": shared + "\n# copied\n",
+            "beta/_vendored/x.py": "x = 1\n"}, "License-Expression: BSD-3-Clause")
+    _wheel(cache / "gamma-1.0-py3-none-any.whl", "gamma", {"gamma/a.py": "G = 1\n"},
+           "License-Expression: GPL-3.0-only")
+    stdlib = tmp_path / "stdlib"
+    _write(stdlib, "os.py", "import sys\n")
+    _write(stdlib, "copy.py", "import types\n")  # copy.py is in the stdlib eval split
+    packages = tmp_path / "packages.txt"
+    packages.write_text("alpha==1.0\nbeta==1.0 [eval]\ngamma==1.0\n")
+    out = tmp_path / "out"
+    manifest = cb.build(packages, out, cache, stdlib_root=stdlib, log=lambda *_: None)
+
+    rows = {s: [json.loads(x) for x in (out / f"{s}.jsonl").read_text().splitlines()]
+            for s in ("train", "eval")}
+    train_pk = {r["package"] for r in rows["train"]}
+    eval_pk = {r["package"] for r in rows["eval"]}
+    assert train_pk == {"python-stdlib", "alpha"} and eval_pk == {"python-stdlib", "beta"}
+    assert not (train_pk & eval_pk) - {"python-stdlib"}
+    assert {r["path"] for r in rows["eval"]} == {"copy.py", "beta/__init__.py"}
+    assert set(rows["train"][0]) == {"package", "version", "license", "path", "text"}
+    assert {r["license"] for r in rows["train"] if r["package"] == "alpha"} == {"MIT"}
+
+    assert manifest["excluded"]["gamma"]["reason"].startswith("not a permissive licence")
+    beta = manifest["packages"]["beta"]
+    assert beta["split"] == "eval" and beta["license"] == "BSD"
+    assert beta["license_field"] == "License-Expression"
+    assert beta["files_skipped"] == {"vendored": 1, "duplicate": 1}  # the near copy of util.py
+    assert manifest["dedup"]["near_duplicates_dropped"] == 1
+    assert manifest["eval_packages"] == ["beta"]
+    assert manifest["totals"]["licenses"] == {"BSD": 1, "MIT": 1, "PSF": 1}
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+
+
+def test_shipped_package_list_and_manifest_agree():
+    specs = cb.read_package_list(Path(cb.__file__).with_name("corpus_packages.txt"))
+    assert len(specs) >= 80
+    manifest = json.loads((ASSETS / "corpus" / "manifest.json").read_text())
+    listed = {s.name for s in specs}
+    assert set(manifest["packages"]) - {cb.STDLIB_PACKAGE} | set(manifest["excluded"]) == listed
+    eval_specs = {s.name for s in specs if s.split == "eval"}
+    assert set(manifest["eval_packages"]) == eval_specs
+    for name, entry in manifest["packages"].items():
+        assert entry["license"] in cb.LICENSES, name
+
+
+def test_cli_build_corpus_counts_tokens_into_the_manifest(tmp_path, capsys):
+    from workbench.cli import main as cli_main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    docs = {"train": [("a", "def f(x):\n    return x\n"), ("b", "import os\n")],
+            "eval": [("c", "y = 2\n")]}
+    for split, rows in docs.items():
+        (out / f"{split}.jsonl").write_text("".join(
+            json.dumps({"package": p, "version": "1", "license": "MIT", "path": "m.py",
+                        "text": t}) + "\n" for p, t in rows))
+    packages = {p: {"split": s} for s, rows in docs.items() for p, _ in rows}
+    (out / "manifest.json").write_text(json.dumps({"packages": packages}))
+    tokenizer = ASSETS / "corpus" / "tokenizer"
+    assert cli_main(["build-corpus", "--out", str(out), "--tokenizer", str(tokenizer),
+                     "--count-only"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    for package, text in [*docs["train"], *docs["eval"]]:
+        assert manifest["packages"][package]["tokens"] == len(hf.encode(text).ids)
+    files = manifest["tokens"]["files"]
+    assert set(files) == {"train.jsonl", "eval.jsonl"}
+    assert files["train.jsonl"]["bytes"] == 33
+    printed = capsys.readouterr().out  # a line per file, then the figures as JSON
+    assert json.loads(printed[printed.index("{\n"):])["files"] == files

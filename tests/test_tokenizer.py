@@ -265,3 +265,73 @@ def test_train_tokenizer_small(tmp_path):
     assert len(tok.encode(texts[-1])) < len(texts[-1].encode()) / 2
     with pytest.raises(ValueError, match="at least 259"):
         bpe.train_tokenizer(texts, 200, out_dir=tmp_path / "bad")
+
+
+def test_train_tokenizer_with_chat_tokens_keeps_them_atomic(tmp_path):
+    chat = ("<|im_user|>user<|im_middle|>Write add.<|im_end|>"
+            "<|im_assistant|>assistant<|im_middle|>def add(a, b):\n    return a + b\n<|im_end|>")
+    texts = [t for t in TRICKY if t] * 20 + ["def add(a, b):\n    return a + b\n"] * 50
+    out = bpe.train_tokenizer(texts + [chat] * 20, 320, out_dir=tmp_path / "tok",
+                              special_tokens=bpe.CHAT_SPECIAL_TOKENS,
+                              chat_template=bpe.KIMI_CHAT_TEMPLATE)
+    tok = Tokenizer.from_dir(out)
+    assert tok.vocab_size == 320
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
+    ids = {t: tok.encode(t) for t in bpe.CHAT_SPECIAL_TOKENS}
+    assert ids == {t: [i] for i, t in enumerate(bpe.CHAT_SPECIAL_TOKENS)}
+    # Atomic wherever they stand, glued to text on both sides; round trip exact.
+    glued = "x<|im_end|>y<|im_user|><|im_middle|>\n<|im_end|>"
+    got = tok.encode(glued)
+    assert [i for i in got if i < len(bpe.CHAT_SPECIAL_TOKENS)] == [7, 4, 6, 7]
+    assert tok.decode(got) == glued
+    encoded = tok.encode(chat)
+    assert encoded[0] == 4 and encoded[-1] == 7 and encoded.count(6) == 2
+    # A partial marker is plain text.
+    assert all(i >= len(bpe.CHAT_SPECIAL_TOKENS) for i in tok.encode("<|im_end|"))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == bpe.KIMI_CHAT_TEMPLATE
+    assert [config["added_tokens_decoder"][str(i)]["content"] for i in range(8)] == list(
+        bpe.CHAT_SPECIAL_TOKENS)
+    assert tok.format_prompt("Write add.") == (
+        f"<|im_system|>system<|im_middle|>{bpe.KIMI_DEFAULT_SYSTEM}<|im_end|>"
+        "<|im_user|>user<|im_middle|>Write add.<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    with pytest.raises(ValueError, match=r"at least 264 \(8 special"):
+        bpe.train_tokenizer(texts, 263, out_dir=tmp_path / "bad",
+                            special_tokens=bpe.CHAT_SPECIAL_TOKENS)
+
+
+def test_corpus_helpers(tmp_path):
+    rows = [{"text": "a = 1\n"}, {"text": "é\n"}, {"text": "b = 2\n"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert list(bpe.corpus_texts(path)) == ["a = 1\n", "é\n", "b = 2\n"]
+    assert list(bpe.corpus_texts(path, max_bytes=9)) == ["a = 1\n", "é\n"]
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_file(str(VERIFIER / "tokenizer.json"))
+    n_bytes, n_tokens = bpe.count_tokens(hf, bpe.corpus_texts(path), batch=2)
+    assert n_bytes == 15
+    assert n_tokens == sum(len(hf.encode(r["text"]).ids) for r in rows)
+
+
+# ---- the chat verifier's tokenizer (issue 42), trained on the PyPI + stdlib corpus ------------
+
+CHAT_TOKENIZER = VERIFIER.parents[1] / "corpus" / "tokenizer"
+
+
+def test_committed_chat_tokenizer():
+    tok = Tokenizer.from_dir(CHAT_TOKENIZER)
+    assert tok.vocab_size == 8192
+    assert [tok.encode(t) for t in bpe.CHAT_SPECIAL_TOKENS] == [[i] for i in range(8)]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
+    assert tok.chat_template == bpe.KIMI_CHAT_TEMPLATE
+    spec = json.loads((CHAT_TOKENIZER / "tokenizer.json").read_text())
+    assert spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == bpe.CODE_PATTERN
+    for text in TRICKY:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.token_texts(tok.encode("):\n        return")) == ["):", "\n        ", "return"]
+    prompt = tok.format_prompt("Write a Python function `add(a, b)`.")
+    ids = tok.encode(prompt)
+    tail = [5, *tok.encode("assistant"), 6]  # <|im_assistant|>assistant<|im_middle|>
+    assert ids[0] == 3 and ids[-len(tail):] == tail
+    assert tok.decode(ids) == prompt

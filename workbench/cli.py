@@ -331,6 +331,16 @@ def cmd_chat(args) -> int:
     return chat.main(sys.argv[2:])
 
 
+def cmd_build_corpus(args) -> int:
+    from workbench.training import corpus_build
+
+    argv = ["--out", args.out, *(["--packages", args.packages] if args.packages else []),
+            *(["--cache", args.cache] if args.cache else []),
+            *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
+            *(["--no-chat"] if args.no_chat else []), *(["--count-only"] if args.count_only else [])]
+    return corpus_build.main(argv)
+
+
 def cmd_dashboard(args) -> int:
     cmd = [sys.executable, "-m", "streamlit", "run", str(APPS / "dashboard.py"), "--server.port", str(args.port),
            "--server.address", args.host, "--server.headless", "true", "--browser.gatherUsageStats", "false"]
@@ -491,6 +501,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="the Gradio chat (flags: see apps/chat.py --help)", add_help=False)
     p.set_defaults(fn=cmd_chat)
+
+    p = sub.add_parser("build-corpus", help="the chat verifier's PyPI + stdlib corpus, chat pairs, token counts")
+    p.add_argument("--out", default="/work/data/corpus")
+    p.add_argument("--packages", default=None, help="default: workbench/training/corpus_packages.txt")
+    p.add_argument("--cache", default=None, help="downloaded wheels/sdists (default OUT/wheels)")
+    p.add_argument("--tokenizer", default=None, help="count tokens with it (trained there first if absent)")
+    p.add_argument("--no-chat", action="store_true")
+    p.add_argument("--count-only", action="store_true")
+    p.set_defaults(fn=cmd_build_corpus)
 
     p = sub.add_parser("dashboard", help="the Streamlit dashboard")
     p.add_argument("--port", type=int, default=8501)
