@@ -554,8 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pretrain-verifier", help="pretrain the tiny-kimi verifier on a built Python corpus")
     p.add_argument("--out", required=True, help="run folder: checkpoint/, final/ (bf16) and pretrain_log.json")
-    p.add_argument("--corpus", required=True, help="a built corpus (python -m workbench.training.corpus build)")
-    p.add_argument("--tokenizer", default=str(REPO / "assets/tiny-kimi/verifier"), help="folder with tokenizer.json")
+    p.add_argument("--corpus", required=True, help="a built corpus (workbench build-corpus)")
+    p.add_argument("--tokenizer", default=str(REPO / "assets/corpus/tokenizer"), help="folder with tokenizer.json (default: the corpus tokenizer, Kimi chat tokens)")
     p.add_argument("--init", help="warm restart from these weights, with a fresh schedule")
     p.add_argument("--resume", action="store_true", help="continue --out's checkpoint where it stopped")
     p.add_argument("--max-minutes", type=float, default=30)

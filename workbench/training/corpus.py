@@ -10,7 +10,7 @@ the same file, and adding a file never moves another one.
 
 The chat verifier's corpus (issue 42: this stdlib split plus permissively licensed PyPI
 packages, held out by package) is built by `corpus_build.py`:
-`python -m workbench.training.corpus build --out DIR`.
+`workbench build-corpus --out DIR`.
 """
 
 from __future__ import annotations
@@ -152,11 +152,7 @@ def docstring_prompts(split: str = "eval", root: str | Path | None = None,
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["build"]:
-        # python -m workbench.training.corpus build --packages ... --out /work/data/corpus
-        from workbench.training import corpus_build
-        sys.exit(corpus_build.main(sys.argv[2:]))
-    # python -m workbench.training.corpus assets/prompts/code.jsonl
+    # python -m workbench.training.corpus assets/prompts/code.jsonl (the PyPI corpus: corpus_build)
     with open(sys.argv[1], "w", encoding="utf-8") as f:
         for row in docstring_prompts():
             f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -87,7 +87,7 @@ class TokenData:
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{missing}: missing; expected a corpus built by "
-                                    f"`python -m workbench.training.corpus build --out {corpus}`")
+                                    f"`workbench build-corpus --out {corpus}`")
         chat = corpus / "chat_train.jsonl"
         files += [chat] if chat.is_file() else []
         key = hashlib.sha1(tokenizer.to_str().encode())
