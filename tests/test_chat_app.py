@@ -237,10 +237,14 @@ def test_errors_leave_the_conversation_unchanged(pair):
     assert conv.answers == [] and len(conv.history) == 1
 
 
-def test_command_line_defaults_are_private_and_exact():
+def test_the_chat_is_private_unless_asked():
+    """Out of the box the chat listens on loopback only and opens no public link; a user's own
+    choices are honoured, and a setting that cannot work is refused at the command line."""
+    import ipaddress
+
     args = chat.parse_args([])
-    assert (args.host, args.port, args.share, args.dtype, args.max_concurrency) == ("127.0.0.1", 7860, False,
-                                                                                     "float32", 4)
+    assert ipaddress.ip_address(args.host).is_loopback and not args.share
+    assert args.max_concurrency >= 1 and args.dtype in ("float32", "bfloat16")
     args = chat.parse_args(["--verifier", "v", "--draft", "d", "--device", "cuda", "--dtype", "bfloat16",
                             "--port", "8000", "--host", "0.0.0.0", "--share", "--max-concurrency", "2"])
     assert (args.verifier, args.draft, args.device, args.dtype, args.port, args.host, args.share,
