@@ -75,3 +75,16 @@ def embedded_pair():
 @pytest.fixture
 def random_pair_dirs(tmp_path):
     return make_random_pair(tmp_path)
+
+
+# --- `pytest -m "not slow"`: the core in a few minutes; CI runs everything. ---
+# Whole modules whose every test drives a notebook kernel, a browser, inductor or Triton's
+# compiler; single slow tests elsewhere carry @pytest.mark.slow themselves.
+SLOW_MODULES = {"test_notebooks", "test_compiled", "test_aot", "test_triton_end_to_end"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in SLOW_MODULES or item.get_closest_marker("browser"):
+            item.add_marker(pytest.mark.slow)

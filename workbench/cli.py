@@ -503,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_chat)
 
     p = sub.add_parser("build-corpus", help="the chat verifier's PyPI + stdlib corpus, chat pairs, token counts")
-    p.add_argument("--out", default="/work/data/corpus")
+    p.add_argument("--out", default="data/corpus", help="output folder (git ignores data/)")
     p.add_argument("--packages", default=None, help="default: workbench/training/corpus_packages.txt")
     p.add_argument("--cache", default=None, help="downloaded wheels/sdists (default OUT/wheels)")
     p.add_argument("--tokenizer", default=None, help="count tokens with it (trained there first if absent)")

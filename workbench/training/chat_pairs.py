@@ -313,7 +313,7 @@ def build_chat(corpus_dir: str | Path, share: float = CHAT_SHARE, log=print) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbench.training.chat_pairs")
-    parser.add_argument("--corpus", default="/work/data/corpus")
+    parser.add_argument("--corpus", default="data/corpus")
     parser.add_argument("--share", type=float, default=CHAT_SHARE)
     args = parser.parse_args(argv)
     figures = build_chat(args.corpus, args.share)

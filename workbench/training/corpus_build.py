@@ -624,7 +624,7 @@ def count_tokens(corpus_dir: str | Path, tokenizer_dir: str | Path, log=print) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="workbench build-corpus")
     parser.add_argument("--packages", default=str(Path(__file__).with_name("corpus_packages.txt")))
-    parser.add_argument("--out", default="/work/data/corpus")
+    parser.add_argument("--out", default="data/corpus")
     parser.add_argument("--cache", default=None, help="archive cache (default OUT/wheels)")
     parser.add_argument("--no-chat", action="store_true",
                         help="skip the chat pairs (chat_train.jsonl / chat_eval.jsonl)")

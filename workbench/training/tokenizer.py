@@ -214,5 +214,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # python -m workbench.training.tokenizer assets/tiny-kimi/verifier            (stdlib)
-    # python -m workbench.training.tokenizer /work/data/tokenizer --corpus /work/data/corpus
+    # python -m workbench.training.tokenizer data/tokenizer --corpus data/corpus
     sys.exit(main())
