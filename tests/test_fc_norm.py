@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import workbench as wb
-from tests.helpers import EMBEDDED, make_random_pair
+from tests.helpers import EMBEDDED, draft_chain_runs, make_random_pair
 from workbench.config import ConfigError, DraftConfig
 from workbench.kernels import cpu
 from workbench.models import Eagle3Draft
@@ -115,22 +115,15 @@ def test_the_kernel_chain_equals_the_plain_model_with_fc_norm(dirs):
     from workbench.kernels.cpu_modules import KernelRMSNorm
 
     vdir, _, fdir = dirs
-    ids = [5, 9, 200, 31, 7, 77, 3]
     for dt in ("float32", "bfloat16"):
         pair = wb.load_pair(vdir, fdir, dtype=dt, fast="cpu")
-        v, d, plain = pair.verifier, pair.draft, pair.reference().draft
+        d = pair.draft
         assert type(d).__name__ == "KernelEagle3Draft" and all(isinstance(n, KernelRMSNorm) for n in d.fc_norm)
+        runs = draft_chain_runs(pair)
         with torch.inference_mode():
-            out = v(torch.tensor([ids]), v.new_cache(64))
-            x = torch.tensor([ids[1:] + [42]])
-            runs = {}
-            for name, chain in (("chain", d.greedy_chain), ("passes", lambda *a: Eagle3Draft.greedy_chain(d, *a)),
-                                ("plain", plain.greedy_chain)):
-                cache = d.new_cache(64)
-                runs[name] = chain(x, out.aux_hidden_states, cache, 4) + (cache,)
             off = pair.variant(draft={"fc_norm": REMOVED}).draft  # the same draft without its norms
             off_cache = off.new_cache(64)
-            off.greedy_chain(x, out.aux_hidden_states, off_cache, 4)
+            off.greedy_chain(runs["x"], runs["aux"], off_cache, 4)
         (t1, p1, c1), (t2, p2, c2), (t3, p3, c3) = runs["chain"], runs["passes"], runs["plain"]
         assert torch.equal(t1, t2) and torch.equal(p1, p2) and torch.equal(c1.valid(), c2.valid()), dt
         if dt == "float32":

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import workbench as wb
+from tests.helpers import CHAIN_IDS, draft_chain_runs
 from workbench.kernels import cpu
 from workbench.kernels.cpu_modules import RopeTables, rope_rows
 from workbench.kernels.reference import mla_attention_torch
@@ -304,17 +305,10 @@ def test_the_draft_chain_in_one_call_equals_its_passes_and_the_plain_model(pairs
     from workbench.models.draft import Eagle3Draft
 
     for dt, pair in pairs.items():
-        v, d, plain = pair.verifier, pair.draft, pair.reference().draft
+        d, plain = pair.draft, pair.reference().draft
         assert type(d).__name__ == "KernelEagle3Draft" and type(plain) is Eagle3Draft
-        ids = [5, 9, 200, 31, 7, 77, 3]
-        with torch.inference_mode():
-            out = v(torch.tensor([ids]), v.new_cache(64))
-            x = torch.tensor([ids[1:] + [42]])
-            runs = {}
-            for name, chain in (("chain", d.greedy_chain), ("passes", lambda *a: Eagle3Draft.greedy_chain(d, *a)),
-                                ("plain", plain.greedy_chain)):
-                cache = d.new_cache(64)
-                runs[name] = chain(x, out.aux_hidden_states, cache, 4) + (cache,)
+        ids = CHAIN_IDS
+        runs = draft_chain_runs(pair)
         (t1, p1, c1), (t2, p2, c2), (t3, p3, c3) = runs["chain"], runs["passes"], runs["plain"]
         assert torch.equal(t1, t2) and torch.equal(p1, p2) and torch.equal(c1.valid(), c2.valid()), dt
         assert c1.length == c3.length == len(ids) + 3
