@@ -34,9 +34,10 @@ from tests.helpers import make_random_pair
 # directory are not the project's data, wherever they sit.
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BESIDE = os.path.dirname(_REPO) + os.sep
-_ALLOWED = tuple(os.path.join(os.path.abspath(d), "") for d in
-                 {sys.prefix, sys.base_prefix, sys.exec_prefix, tempfile.gettempdir()}) + \
-    (os.path.join(os.path.expanduser("~"), "."),)
+# (A folder that holds the repository itself, as /tmp does for a clone made there, allows nothing.)
+_ALLOWED = tuple(d for d in {os.path.join(os.path.abspath(d), "") for d in
+                             (sys.prefix, sys.base_prefix, sys.exec_prefix, tempfile.gettempdir())}
+                 if not _BESIDE.startswith(d)) + (os.path.join(os.path.expanduser("~"), "."),)
 outside_reads: list[str] = []
 
 
