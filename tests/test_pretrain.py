@@ -123,3 +123,13 @@ def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_over_bytes():
 def test_a_corpus_without_its_files_is_refused_by_name(tmp_path):
     with pytest.raises(FileNotFoundError, match="train.jsonl"):
         pretrain(_args(tmp_path / "run", tmp_path / "nothing"), log=lambda s: None)
+
+
+def test_the_training_speed_bench_runs_every_arm_side_by_side():
+    from workbench.training.train_view import bench_training
+
+    out = bench_training(batch=1, seq=32, steps=1, rounds=2)
+    assert set(out["tokens_per_s"]) == {"reference fp32", "reference bf16 autocast", "view fp32", "view bf16"}
+    assert all(v > 0 for v in out["tokens_per_s"].values())
+    assert all(lo <= out["tokens_per_s"][n] <= hi for n, (lo, hi) in out["spread"].items())
+    assert set(out["view_bf16_over_reference"]) == {"reference fp32", "reference bf16 autocast"}
