@@ -126,7 +126,7 @@ def test_a_corpus_without_its_files_is_refused_by_name(tmp_path):
 
 
 def test_the_training_speed_bench_runs_every_arm_side_by_side():
-    from workbench.training.train_view import bench_training
+    from workbench.training.train_bench import bench_training
 
     out = bench_training(batch=1, seq=32, steps=1, rounds=2)
     assert set(out["tokens_per_s"]) == {"reference fp32", "reference bf16 autocast", "view fp32", "view bf16"}

@@ -476,6 +476,66 @@ def stdlib_documents(root: str | Path | None = None) -> Iterator[tuple[str, Docu
 
 # ---- build ------------------------------------------------------------------------------
 
+def _add_stdlib(stdlib_root, dedup: "Deduper", writers: dict, totals: dict, log) -> dict:
+    """Write the stdlib's files to their splits; return its manifest entry."""
+    entry = {"version": None, "license": "PSF", "license_field": "CPython LICENSE",
+             "license_raw": "PSF-2.0", "archive": "interpreter stdlib",
+             "split": "train+eval (per-file sha1 split, corpus.split_of)",
+             "files_kept": {"train": 0, "eval": 0}, "bytes": {"train": 0, "eval": 0},
+             "files_skipped": {}}
+    for split, doc in stdlib_documents(stdlib_root):
+        entry["version"] = doc.version
+        if _SPECIAL.search(doc.text):
+            entry["files_skipped"]["special_tokens"] = entry["files_skipped"].get("special_tokens", 0) + 1
+            continue
+        if not dedup.keep(doc.text):
+            entry["files_skipped"]["duplicate"] = entry["files_skipped"].get("duplicate", 0) + 1
+            continue
+        n = len(doc.text.encode("utf-8"))
+        writers[split].write(doc.to_json() + "\n")
+        entry["files_kept"][split] += 1
+        entry["bytes"][split] += n
+        totals[split]["files"] += 1
+        totals[split]["bytes"] += n
+    log(f"{STDLIB_PACKAGE}: {entry['files_kept']} files, {entry['bytes']} bytes")
+    return entry
+
+
+def _add_package(spec: PackageSpec, cache: Path, dedup: "Deduper", writers: dict, totals: dict,
+                 manifest: dict, log) -> None:
+    """Download one package, read its licence, write its kept files; record it or why it is excluded."""
+    try:
+        archive = download(spec, cache)
+        info = normalize_license(read_metadata(archive))
+    except Exception as exc:  # noqa: BLE001 - recorded, the build goes on
+        manifest["excluded"][spec.name] = {"version": spec.version, "reason": f"{type(exc).__name__}: {exc}"}
+        log(f"{spec.name}: EXCLUDED ({exc})")
+        return
+    if info.license is None:
+        manifest["excluded"][spec.name] = {"version": spec.version, "reason": info.reason,
+                                           "license_field": info.field, "license_raw": info.raw[:300]}
+        log(f"{spec.name}: EXCLUDED ({info.reason})")
+        return
+    pkg = extract_package(archive)
+    kept = n_bytes = 0
+    for rel, text in pkg.files:
+        if not dedup.keep(text):
+            pkg.skipped["duplicate"] += 1
+            continue
+        doc = Document(spec.name, spec.version, info.license, rel, text)
+        writers[spec.split].write(doc.to_json() + "\n")
+        kept += 1
+        n_bytes += len(text.encode("utf-8"))
+    totals[spec.split]["files"] += kept
+    totals[spec.split]["bytes"] += n_bytes
+    manifest["packages"][spec.name] = {
+        "version": spec.version, "license": info.license, "license_field": info.field,
+        "license_raw": info.raw[:300], "archive": archive.name, "split": spec.split,
+        "files_kept": kept, "bytes": n_bytes, "files_skipped": dict(sorted(pkg.skipped.items()))}
+    log(f"{spec.name}=={spec.version} [{info.license} via {info.field}] {spec.split}: "
+        f"{kept} files, {n_bytes / 1e6:.2f} MB, skipped {dict(pkg.skipped)}")
+
+
 def build(packages: str | Path, out: str | Path, cache_dir: str | Path | None = None,
           stdlib_root: str | Path | None = None, log=print) -> dict:
     """Run the whole pipeline; returns (and writes) the manifest."""
@@ -491,62 +551,9 @@ def build(packages: str | Path, out: str | Path, cache_dir: str | Path | None = 
     totals = {s: Counter() for s in ("train", "eval")}
     start = time.perf_counter()
     try:
-        entry = {"version": None, "license": "PSF", "license_field": "CPython LICENSE",
-                 "license_raw": "PSF-2.0", "archive": "interpreter stdlib",
-                 "split": "train+eval (per-file sha1 split, corpus.split_of)",
-                 "files_kept": {"train": 0, "eval": 0}, "bytes": {"train": 0, "eval": 0},
-                 "files_skipped": {}}
-        for split, doc in stdlib_documents(stdlib_root):
-            entry["version"] = doc.version
-            if _SPECIAL.search(doc.text):
-                entry["files_skipped"]["special_tokens"] = (
-                    entry["files_skipped"].get("special_tokens", 0) + 1)
-                continue
-            if not dedup.keep(doc.text):
-                entry["files_skipped"]["duplicate"] = entry["files_skipped"].get("duplicate", 0) + 1
-                continue
-            n = len(doc.text.encode("utf-8"))
-            writers[split].write(doc.to_json() + "\n")
-            entry["files_kept"][split] += 1
-            entry["bytes"][split] += n
-            totals[split]["files"] += 1
-            totals[split]["bytes"] += n
-        manifest["packages"][STDLIB_PACKAGE] = entry
-        log(f"{STDLIB_PACKAGE}: {entry['files_kept']} files, {entry['bytes']} bytes")
+        manifest["packages"][STDLIB_PACKAGE] = _add_stdlib(stdlib_root, dedup, writers, totals, log)
         for spec in order:
-            try:
-                archive = download(spec, cache)
-                info = normalize_license(read_metadata(archive))
-            except Exception as exc:  # noqa: BLE001 - recorded, the build goes on
-                manifest["excluded"][spec.name] = {"version": spec.version,
-                                                   "reason": f"{type(exc).__name__}: {exc}"}
-                log(f"{spec.name}: EXCLUDED ({exc})")
-                continue
-            if info.license is None:
-                manifest["excluded"][spec.name] = {
-                    "version": spec.version, "reason": info.reason,
-                    "license_field": info.field, "license_raw": info.raw[:300]}
-                log(f"{spec.name}: EXCLUDED ({info.reason})")
-                continue
-            pkg = extract_package(archive)
-            kept = n_bytes = 0
-            for rel, text in pkg.files:
-                if not dedup.keep(text):
-                    pkg.skipped["duplicate"] += 1
-                    continue
-                doc = Document(spec.name, spec.version, info.license, rel, text)
-                writers[spec.split].write(doc.to_json() + "\n")
-                kept += 1
-                n_bytes += len(text.encode("utf-8"))
-            totals[spec.split]["files"] += kept
-            totals[spec.split]["bytes"] += n_bytes
-            manifest["packages"][spec.name] = {
-                "version": spec.version, "license": info.license, "license_field": info.field,
-                "license_raw": info.raw[:300], "archive": archive.name, "split": spec.split,
-                "files_kept": kept, "bytes": n_bytes,
-                "files_skipped": dict(sorted(pkg.skipped.items()))}
-            log(f"{spec.name}=={spec.version} [{info.license} via {info.field}] {spec.split}: "
-                f"{kept} files, {n_bytes / 1e6:.2f} MB, skipped {dict(pkg.skipped)}")
+            _add_package(spec, cache, dedup, writers, totals, manifest, log)
     finally:
         for w in writers.values():
             w.close()
