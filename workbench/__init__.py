@@ -16,6 +16,7 @@ from workbench.decoding.engine import MAX_K, RequestError, SpecDecoder, generate
 from workbench.decoding.events import GenerationResult, GenerationStats, StepEvent
 from workbench.decoding.proposers import EagleProposer, NgramProposer, Proposal, Proposer
 from workbench.decoding.serving import BatchServer, Ticket
+from workbench.decoding.stats import compute_stats
 from workbench.decoding.sampling import (GreedyAcceptor, RejectionAcceptor, SamplingError, SamplingParams,
                                          probs_from_logits)
 from workbench.models import Eagle3Draft, Verifier, VerifierOutput
@@ -27,6 +28,6 @@ __all__ = [
     "GenerationResult", "GenerationStats", "GreedyAcceptor", "KVCache", "MAX_K", "ModelPair", "NgramProposer",
     "PairingError", "Proposal", "Proposer", "RejectionAcceptor", "RequestError", "SamplingError", "SamplingParams",
     "SpecDecoder", "StepEvent", "Verifier", "VerifierConfig", "VerifierOutput", "accept_split", "check_pairing",
-    "detect_loop",
+    "compute_stats", "detect_loop",
     "generate_autoregressive", "load_draft", "load_pair", "load_verifier", "probs_from_logits", "save_model",
 ]
