@@ -359,8 +359,13 @@ def race_html(answer: Answer | None) -> str:
     else:
         verdict = ('<span class="wb-verdict not-compared" id="race-verdict">not compared</span> (sampling: '
                    "the two runs are different draws from the same distribution)")
+    # A step emits at most its accept length's worth of tokens for about a decode's cost or more, so a
+    # speedup above the accept length is the machine's noise between the two runs, not speculation.
+    accept = compute_stats(answer.events).accept_length
+    noise = (f' · <span class="wb-warn" id="race-noise">{speedup:.2f}× is above the accept length {accept:.2f}: '
+             f"the machine's noise between the runs, not speed; rerun</span>" if speedup > accept else "")
     return (f'<div class="wb-race">decode: speculative <b>{spec:.1f}</b> tok/s · autoregressive <b>{ar:.1f}</b> '
-            f"tok/s · speedup <b>{speedup:.2f}×</b> (one run each, back to back) · {verdict}</div>")
+            f"tok/s · speedup <b>{speedup:.2f}×</b> (one run each, back to back) · {verdict}{noise}</div>")
 
 
 def stats_html(conv: Conversation, answer: Answer | None) -> str:

@@ -12,6 +12,7 @@ import threading
 import time
 from html.parser import HTMLParser
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -207,6 +208,19 @@ def test_the_acceptance_rule_is_chosen_and_named(pair):
     assert answer.rule == ref.acceptance_rule == "block (greedy draft, one-hot q)" and answer.text == ref.text
 
 
+class _FixedRates:
+    """Two arms' tokens/s, as the race's measurements report them."""
+
+    def __init__(self, spec: float, ar: float) -> None:
+        self.rates = {"speculative": spec, "autoregressive": ar}
+
+    def rate(self, arm: str):
+        return SimpleNamespace(median=self.rates[arm])
+
+    def ratio(self, a: str, b: str):
+        return SimpleNamespace(median=self.rates[a] / self.rates[b])
+
+
 def test_turns_race_and_conversation_stats(pair):
     conv = chat.Conversation(history=[{"role": "user", "content": PROMPT}])
     s = chat.make_settings(3.0, 0, 1, NEW, 0, True)
@@ -221,6 +235,10 @@ def test_turns_race_and_conversation_stats(pair):
     assert "decode: speculative" in chat.race_html(answer)
     verdict = _Spans.of(chat.race_html(answer)).spans()[0]
     assert verdict[0]["id"] == "race-verdict" and verdict[1] == "identical"  # greedy is lossless
+    accept = wb.compute_stats(answer.events).accept_length
+    for spec_rate, flagged in ((100 * (accept + 0.5), True), (100 * max(1.0, accept - 0.5), False)):
+        answer.race = _FixedRates(spec_rate, 100.0)  # a busy machine's pair of timings, then a sane one
+        assert ('id="race-noise"' in chat.race_html(answer)) is flagged
     conv.history.append({"role": "user", "content": "x = ["})
     off = list(chat.run_turn(pair, conv, chat.make_settings(3, 0, 1, 8, 0, False)))[-1]
     assert off.text == wb.generate_autoregressive(pair, "x = [", 8, heal=True).text
