@@ -100,7 +100,8 @@ class TokenData:
             return cls(load("train"), load("eval"), load("eval_starts"))
         docs = [] if eval_only else _read_texts(files[0]) + (_read_texts(chat) if chat.is_file() else [])
         random.Random(seed).shuffle(docs)
-        log(f"tokenizing {len(docs):,} train documents")
+        if docs:
+            log(f"tokenizing {len(docs):,} train documents")
         train, _ = _encode([d["text"] for d in docs], tokenizer, bos, eos)
         held = sorted((d for d in _read_texts(files[1]) if d.get("package") != STDLIB),
                       key=lambda d: (d.get("package", ""), d.get("path", "")))

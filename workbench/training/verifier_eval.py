@@ -103,7 +103,8 @@ def evaluate(verifier: Path, corpus: Path, windows: int = 64, prompts: int = 48,
     model = load_verifier(verifier, dtype=torch.float32).eval()
     hf = HFTokenizer.from_file(str(Path(verifier) / "tokenizer.json"))
     tok = Tokenizer.from_dir(verifier)
-    data = TokenData.build(corpus, hf, cache=Path(verifier) / "eval-tokens", eval_only=True)
+    # the token cache goes beside the corpus (data, never a checkpoint folder)
+    data = TokenData.build(corpus, hf, cache=Path(corpus) / "tokens", eval_only=True, log=lambda s: None)
     bpb = bits_per_byte(lambda ids: model(ids).logits, eval_windows(data, seq, windows), token_byte_lengths(hf))
     report = {"verifier": str(verifier), "windows": windows, "bits_per_byte": bpb,
               "loops": loop_rate(model, tok, held_out_prompts(corpus, prompts)),
