@@ -133,3 +133,23 @@ def test_the_training_speed_bench_runs_every_arm_side_by_side():
     assert all(v > 0 for v in out["tokens_per_s"].values())
     assert all(lo <= out["tokens_per_s"][n] <= hi for n, (lo, hi) in out["spread"].items())
     assert set(out["view_bf16_over_reference"]) == {"reference fp32", "reference bf16 autocast"}
+
+
+def test_the_verifier_report_card(tmp_path):
+    """verifier_eval on a small saved verifier with the chat tokenizer: bits per byte from a file's
+    start, the loop verdict of each greedy continuation, and chat answers through the template."""
+    import shutil
+
+    from workbench.pair import save_model
+    from workbench.training.verifier_eval import evaluate
+
+    vdir = tmp_path / "verifier"
+    save_model(small_verifier(), vdir)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(__file__).resolve().parent.parent / "assets" / "corpus" / "tokenizer" / f, vdir / f)
+    report = evaluate(vdir, _corpus(tmp_path / "corpus"), windows=2, prompts=3, seq=256)
+    assert list(report["bits_per_byte"]) == ["0-256"] and 0 < report["bits_per_byte"]["0-256"] < 20
+    loops = report["loops"]
+    assert loops["prompts"] == len(loops["rows"]) == 3 and loops["loops"] == sum(r["degenerate"] for r in loops["rows"])
+    assert len(report["chat"]) == 3 and all(isinstance(c["answer"], str) for c in report["chat"])
+    assert not (vdir / "tokens").exists()  # nothing written into the checkpoint
