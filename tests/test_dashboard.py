@@ -482,18 +482,25 @@ def test_batching_page_sweep(app):
     assert not at.exception and "2 prompts for batch size 4" in at.error[0].value and not charts(at)
 
 
+def _box_errors(at) -> list[str]:
+    """The page's errors but a measured point's own ("B = b, k = k: speedup beats the accept length"),
+    which a busy machine's noise can raise and the page shows beside the box, as it should."""
+    return [e.value for e in at.error if not e.value.startswith("B = ")]
+
+
 def test_batching_page_schedule_box(app):
     at = batch_sweep_page(app)
     at.text_area(key="batch_schedule_in").set_value('{"1-4": 2, "3-8": 1}').run()
-    assert not at.exception and len(at.error) == 1
-    assert "'1-4'" in at.error[0].value and "'3-8'" in at.error[0].value and "overlap" in at.error[0].value
+    errors = _box_errors(at)
+    assert not at.exception and len(errors) == 1
+    assert "'1-4'" in errors[0] and "'3-8'" in errors[0] and "overlap" in errors[0]
     assert len(charts(at)) == 3  # the page stays up
     at.text_area(key="batch_schedule_in").set_value("[[1, 1, 2], [2, 8, 0]]").run()
-    assert not at.exception and not at.error
+    assert not at.exception and not _box_errors(at)
     yours = at.table[0].value
     assert list(yours["B"]) == [1, 2] and list(yours["your k"]) == [2, 0]
     at.text_area(key="batch_schedule_in").set_value('{"1-4": 3}').run()
-    assert "above num_speculative_tokens = 2" in at.error[0].value
+    assert "above num_speculative_tokens = 2" in _box_errors(at)[0]
 
 
 def test_batching_page_adaptive(app):
