@@ -153,3 +153,30 @@ def test_the_verifier_report_card(tmp_path):
     assert loops["prompts"] == len(loops["rows"]) == 3 and loops["loops"] == sum(r["degenerate"] for r in loops["rows"])
     assert len(report["chat"]) == 3 and all(isinstance(c["answer"], str) for c in report["chat"])
     assert not (vdir / "tokens").exists()  # nothing written into the checkpoint
+
+
+def test_the_next_verifier_loads_and_chats_in_kimis_format():
+    """The chat verifier in training (assets/tiny-kimi-v2/verifier, not yet the default): a real
+    checkpoint of the same family, its tokenizer's chat markers single tokens, its template Kimi's
+    layout, and generation_config ending a turn at <|im_end|>."""
+    import json
+
+    from workbench.pair import generation_eos_ids, load_verifier
+    from workbench.tokenizer import Tokenizer
+
+    vdir = EMBEDDED.parent / "tiny-kimi-v2" / "verifier"
+    model = load_verifier(vdir, dtype=torch.float32)
+    cfg = model.config
+    assert (cfg.model_type, cfg.topk_method, cfg.rope_interleave, cfg.max_position_embeddings) == \
+        ("deepseek_v3", "noaux_tc", True, 2048) and cfg.rope_scaling["type"] == "yarn"
+    tok = Tokenizer.from_dir(vdir)
+    text = tok.format_prompt([{"role": "user", "content": "Write f."}])
+    assert text.endswith("<|im_user|>user<|im_middle|>Write f.<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    ids = tok.encode(text)
+    im_end = tok.encode("<|im_end|>")
+    assert len(im_end) == 1 and im_end[0] in ids and im_end[0] in generation_eos_ids(vdir)
+    log = json.loads((vdir / "pretrain_log.json").read_text())
+    assert log["segments"] and all(s["tokens"] > 0 for s in log["segments"])
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits
+    assert torch.isfinite(logits).all()
