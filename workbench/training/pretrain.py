@@ -19,6 +19,7 @@ import json
 import math
 import platform
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -121,15 +122,12 @@ def save_checkpoint(view: TrainVerifier, opt: torch.optim.Optimizer, state: RunS
     save_model(view.write_back(), tmp, dtype=torch.float32)
     save_file(_optim_state(opt, view.trainable()), str(tmp / "optimizer.safetensors"))
     (tmp / "state.json").write_text(json.dumps(asdict(state), indent=1))
-    final = out / "checkpoint"
+    final, old = out / "checkpoint", out / "checkpoint.old"
+    shutil.rmtree(old, ignore_errors=True)  # left by a kill between the two renames below
     if final.exists():
-        old = out / "checkpoint.old"
         final.rename(old)
-        tmp.rename(final)
-        import shutil
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _cpu_name() -> str:
