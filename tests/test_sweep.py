@@ -1,5 +1,5 @@
 """Sweeps over k on real pairs: exact pooled counters, timing terms from the same run, physics'
-bound, the recommendation and its outputs, the CLI, and a cold process's first arm."""
+bound, the recommendation and its outputs, the CLI, and a cold process's untimed warm-up."""
 from __future__ import annotations
 
 import json
@@ -233,20 +233,21 @@ def test_cli_bad_input_names_the_flag(capsys, tmp_path):
         assert match in capsys.readouterr().err
 
 
-def test_a_cold_process_first_arm_is_not_slower_than_when_it_runs_last():
-    """The warm-up makes the first timed generation of a fresh process comparable: the first arm's decode
-    tokens/s is not below the same arm's runs where it ran last in its cell by more than their spread
-    (max - min: prompts and the machine's noise)."""
-    out = subprocess.run([sys.executable, "-m", "workbench.cli", "sweep", "--prompts",
-                          str(REPO / "assets" / "prompts" / "smoke.jsonl"), "--limit", "3", "--ks", "2",
-                          "--max-new-tokens", "24", "--repeats", "3", "--json"],
-                         capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    cells = json.loads(out.stdout)["cells"]["0.0"]
-    arm = cells[0]["order"][0]
-    first = cells[0]["decode_tokens_per_s"][arm]
-    last = [c["decode_tokens_per_s"][arm] for c in cells[1:] if c["order"][-1] == arm]
-    assert len(last) >= 3 and first >= min(last) - (max(last) - min(last)), (arm, first, last)
+def test_cli_json_records_each_arms_untimed_warm_up():
+    """A fresh process warms every arm once, untimed, before the first timed generation, and the JSON says
+    so; `--no-warmup` times the cold generations too. (Whether the warm-up makes the first arm's speed
+    comparable is a timing question: `workbench sweep` reports it, no unit test times it.)"""
+    def run(*extra):
+        out = subprocess.run([sys.executable, "-m", "workbench.cli", "sweep", "--prompts",
+                              str(REPO / "assets" / "prompts" / "smoke.jsonl"), "--limit", "2", "--ks", "2",
+                              "--max-new-tokens", "8", "--repeats", "1", "--json", *extra],
+                             capture_output=True, text=True, timeout=600, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    warm = run()["warmup_s"]["0.0"]
+    assert set(warm) == {"autoregressive", "k=2"} and all(s > 0 for s in warm.values()), warm
+    assert run("--no-warmup")["warmup_s"]["0.0"] == {}
 
 
 def test_cli_generate_chat_sends_a_user_turn_through_the_template(capsys, tmp_path):

@@ -154,6 +154,7 @@ class SweepResult:
             "models": {str(t): m.to_dict() for t, m in self.models.items()},
             "recommendations": recs,
             "cells": {str(t): m.cells_dict() for t, m in self.measurements.items()},
+            "warmup_s": {str(t): m.warmup_s for t, m in self.measurements.items()},  # untimed, per arm
         }
 
     def summary(self) -> str:
