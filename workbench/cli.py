@@ -159,10 +159,18 @@ def cmd_bench(args) -> int:
     pair = _load(args)
     prompts = read_prompts(args.prompts, args.limit)
     report = run_bench(pair, prompts, k=args.k, max_new_tokens=args.max_new_tokens, attention=args.attention,
-                       peers=not args.no_peers, peer_prompts=args.peer_prompts, repeats=args.repeats,
-                       fused=_FUSED[args.fused], components=args.components, heal=args.heal)
+                       peers=not args.no_peers and args.peer == "transformers", peer_prompts=args.peer_prompts,
+                       repeats=args.repeats, fused=_FUSED[args.fused], components=args.components, heal=args.heal)
     report["prompts_file"] = str(args.prompts)
-    print(json.dumps(report) if args.json else _bench_text(report))
+    text = None if args.json else _bench_text(report)
+    if args.peer == "llama.cpp":
+        from workbench.integrations.llama_cpp_bench import llama_cpp_bench, llama_cpp_text
+
+        peer = llama_cpp_bench(pair, prompts, args.max_new_tokens, args.k, rounds=args.peer_rounds,
+                               attention=args.attention)
+        report.setdefault("peers", {})["llama.cpp"] = peer
+        text = None if args.json else f"{text}\n{llama_cpp_text(peer)}"
+    print(json.dumps(report) if args.json else text)
     return 0
 
 
@@ -359,6 +367,20 @@ def cmd_export_vllm(args) -> int:
     return 0
 
 
+def cmd_export_gguf(args) -> int:
+    from workbench.integrations.llama_cpp import export_gguf, read_gguf
+    from workbench.pair import EMBEDDED
+
+    out = export_gguf(args.verifier or EMBEDDED / "verifier", args.out, args.dtype)
+    meta, tensors = read_gguf(out)  # read back: what llama.cpp will load
+    summary = {"out": str(out), "bytes": out.stat().st_size, "tensors": len(tensors), "dtype": args.dtype,
+               "architecture": meta["general.architecture"]}
+    print(json.dumps(summary) if args.json else
+          f"wrote {out}: {summary['architecture']}, {summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB "
+          f"({args.dtype})")
+    return 0
+
+
 def cmd_vllm_command(args) -> int:
     from workbench.integrations.vllm import serve_command
 
@@ -428,6 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (median kept)")
     p.add_argument("--no-peers", action="store_true", help="skip transformers' generate")
     p.add_argument("--peer-prompts", type=int, default=8, help="prompts timed with transformers (slow)")
+    p.add_argument("--peer", choices=("transformers", "llama.cpp"), default="transformers",
+                   help="llama.cpp: its plain decoding of the verifier as GGUF, on every prompt, beside ours "
+                        "(needs the llama extra)")
+    p.add_argument("--peer-rounds", type=int, default=3, help="interleaved rounds of the llama.cpp comparison")
     p.add_argument("--components", type=int, default=0, metavar="N",
                    help="also time a step's parts alone (decode, verify, drafting, the step, verify then "
                         "drafting back to back), N calls each")
@@ -517,6 +543,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier")
     p.add_argument("--draft")
     p.set_defaults(fn=cmd_dashboard)
+
+    p = sub.add_parser("export-gguf", help="write the verifier as GGUF for llama.cpp's deepseek2 (a bench peer)")
+    p.add_argument("out")
+    p.add_argument("--verifier", help="a verifier directory (default: the embedded one)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "f32", "q8_0"))
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_export_gguf)
 
     p = sub.add_parser("export-vllm", help="write the draft as vLLM's and SGLang's Eagle3DeepseekV2ForCausalLM load it")
     p.add_argument("out")
