@@ -57,8 +57,25 @@ def accept_and_draft(draft, logits: torch.Tensor, aux: tuple[torch.Tensor, ...],
     p_proposals = probs[:-1].gather(1, x[0, 1:, None])[:, 0]
     p_target = probs.gather(1, target[:, None])[:, 0]
     finite = torch.isfinite(logits.amax(-1)).all()
-    proposals, q = type(draft).greedy_chain(draft, target[None], aux, dcache, k, last=accepted)
+    proposals, q = _chain_after(draft, target[None], aux, dcache, k, accepted)
     return torch.cat([accepted[None], target, proposals[0]]), torch.cat([p_proposals, p_target, q[0]]), finite
+
+
+def _chain_after(draft, ids: torch.Tensor, aux, dcache: KVCache, k: int, accepted: torch.Tensor):
+    """`Eagle3Draft.greedy_chain`'s first pass over ids [1, T], continued from row `accepted` (a 0-d
+    tensor) rather than the last: the k-1 steps write at start + accepted + 1 + i, positions only
+    the device knows (`forward_at`); rows after the accepted one are left for the next first pass."""
+    start, T = dcache.length, ids.shape[1]
+    post, state = draft.draft_pass(ids, draft.combine_hidden_states(aux), dcache)
+    row = accepted.reshape(1)
+    post, state = post.index_select(1, row), state.index_select(1, row)
+    tokens, probs = [], []
+    for i in range(k):
+        t, p = draft.greedy_pick(post)
+        tokens.append(t), probs.append(p)
+        if i + 1 < k:
+            post, state = draft.forward_at(t, state, dcache, start + accepted + 1 + i, start + T + k - 1)
+    return torch.cat(tokens, 1), torch.cat(probs, 1)
 
 
 _FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft -> its compiled accept_and_draft
