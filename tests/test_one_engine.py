@@ -75,3 +75,13 @@ def test_sampled_drafts_in_a_batch_are_each_rows_own(pair):
     assert [steps(r) for r in many] == [steps(r) for r in alone]
     assert many[0].acceptance_rule == alone[0].acceptance_rule == "rejection (sampled draft, its real q)"
     assert all(0 < q <= 1 for r in many for e in r.events for q in e.draft_probs)
+
+
+def test_a_decoder_serves_one_request_at_a_time(pair):
+    """A stream left unfinished is cancelled by the decoder's next request, which decodes as if alone."""
+    dec = wb.SpecDecoder(pair, 3)
+    want = dec.generate(PROMPTS[1], 12)
+    left = dec.stream(PROMPTS[0], 30)
+    assert next(left).kind == "prefill"
+    got = dec.generate(PROMPTS[1], 12)
+    assert got.tokens == want.tokens and steps(got) == steps(want) and dec.engine.idle

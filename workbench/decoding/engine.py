@@ -76,10 +76,10 @@ class SpecDecoder:
 
     def submit(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
                max_len: int | None = None, heal: bool = False) -> int:
-        """Queue the request on the engine with this decoder's settings; returns its id."""
-        if not self.engine.idle:
-            raise RequestError("SpecDecoder: a request is still decoding; expected one request at a time "
-                               "(finish or close its stream first)")
+        """Queue the request on the engine with this decoder's settings; returns its id. A request still
+        in flight (a stream left unfinished) is cancelled: a decoder serves one request at a time."""
+        for r in [*self.engine.rows, *self.engine.queue]:
+            self.engine.cancel(r.rid)
         self.engine.history.clear()
         self.engine.finished.clear()  # the last request's row (`generate` reads it)
         return self.engine.submit(prompt, max_new_tokens, stop=stop, heal=heal, max_len=max_len, **self.request_settings)
