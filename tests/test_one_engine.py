@@ -85,3 +85,11 @@ def test_a_decoder_serves_one_request_at_a_time(pair):
     assert next(left).kind == "prefill"
     got = dec.generate(PROMPTS[1], 12)
     assert got.tokens == want.tokens and steps(got) == steps(want) and dec.engine.idle
+
+
+def test_a_batch_of_one_takes_a_k_policy(pair):
+    """Adaptive k is the engine's, so a SpecDecoder takes a policy too (here: stop drafting when unsure)."""
+    plain = wb.generate_autoregressive(pair, PROMPTS[0], 24).tokens
+    res = wb.SpecDecoder(pair, 4, policy=wb.ConfidenceStop(0.5, per_row=True)).generate(PROMPTS[0], 24)
+    assert res.tokens == plain
+    assert any(0 < e.k < 4 for e in res.events if e.kind == "spec") and res.stats.accept_length > 1

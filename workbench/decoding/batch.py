@@ -159,20 +159,13 @@ class BatchDecoder:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k_max:
             raise RequestError(f"k = {k!r}; expected an integer in [0, {self.k_max}] (this engine's "
                                "num_speculative_tokens)")
-        if draft_sampling not in ("greedy", "sample"):
-            raise RequestError(f"draft sampling = {draft_sampling!r}; expected 'greedy' or 'sample'")
         context = self.context if max_len is None else min(max_len, self.context)
         req = _validate_common(self.pair, prompt, max_new_tokens, stop, context, heal)
-        params = sampling_params(self.pair, temperature, top_p, top_k, **constraints)
-        if isinstance(acceptor, (str, type(None))):
-            acceptor = acceptor_for(params, acceptor)
-        elif isinstance(acceptor, SyntheticAcceptor):
-            check_synthetic_rates(acceptor.rates, k)
+        params, acceptor = checked_settings(self.pair, k, temperature, top_p, top_k, acceptor, draft_sampling,
+                                            **constraints)
         if self.fused and not fits(self.proposer, draft_sampling, params, acceptor, self.pair.attention):
-            raise RequestError("fused = True needs greedy decoding with the pair's EAGLE draft, the greedy "
-                               "acceptor, no penalty or token constraint, and attention 'torch'")
-        sampled = isinstance(self.drafter, EagleDrafter) and draft_sampling == "sample" and not params.greedy
-        row = _Row(self._next_id, req, k, params, acceptor, seed, sampled)
+            raise RequestError(FUSED_NEEDS)
+        row = _Row(self._next_id, req, k, params, acceptor, seed, samples_drafts(self.drafter, draft_sampling, params))
         self._next_id += 1
         self.queue.append(row)
         return row.rid
@@ -448,6 +441,28 @@ class BatchDecoder:
         """Rows (token positions) each slot holds, per cache: the context plus a step's overhang."""
         draft = getattr(self.drafter, "cache", None)
         return {"verifier": self.vcache.max_len if self.vcache else 0, "draft": draft.max_len if draft else 0}
+
+
+FUSED_NEEDS = ("fused = True needs greedy decoding with the pair's EAGLE draft, the greedy acceptor, no penalty or "
+               "token constraint, and attention 'torch'")
+
+
+def checked_settings(pair, k: int, temperature: float, top_p: float, top_k: int, acceptor: str | Acceptor | None,
+                     draft_sampling: str, **constraints) -> tuple[SamplingParams, Acceptor]:
+    """A request's sampling parameters and acceptor, checked (SamplingError / RequestError name the field)."""
+    if draft_sampling not in ("greedy", "sample"):
+        raise RequestError(f"draft sampling = {draft_sampling!r}; expected 'greedy' or 'sample'")
+    params = sampling_params(pair, temperature, top_p, top_k, **constraints)
+    if isinstance(acceptor, (str, type(None))):
+        return params, acceptor_for(params, acceptor)
+    if isinstance(acceptor, SyntheticAcceptor):
+        check_synthetic_rates(acceptor.rates, k)
+    return params, acceptor
+
+
+def samples_drafts(drafter, draft_sampling: str, params: SamplingParams) -> bool:
+    """Whether a request's EAGLE proposals are samples with their real q (else argmaxes, q one-hot)."""
+    return isinstance(drafter, EagleDrafter) and draft_sampling == "sample" and not params.greedy
 
 
 def _empty_stats():

@@ -10,12 +10,13 @@ from collections.abc import Iterator
 
 import torch
 
-from workbench.decoding.batch import BatchDecoder
-from workbench.decoding.drafters import Drafter, EagleDrafter
+from workbench.decoding.adaptive import KPolicy
+from workbench.decoding.batch import FUSED_NEEDS, BatchDecoder, checked_settings, samples_drafts
+from workbench.decoding.drafters import Drafter
 from workbench.decoding.events import GenerationResult, StepEvent
 from workbench.decoding.fused import fits
 from workbench.decoding.request import MAX_K, RequestError, acceptance_rule, result_of, sampling_params
-from workbench.decoding.sampling import Acceptor, SamplingError, SyntheticAcceptor, acceptor_for, check_synthetic_rates
+from workbench.decoding.sampling import Acceptor, SamplingError
 
 
 class SpecDecoder:
@@ -31,34 +32,31 @@ class SpecDecoder:
     def __init__(self, pair, num_speculative_tokens: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int = 0, proposer: str | Drafter = "eagle",
                  acceptor: Acceptor | str | None = None, attention: str = "auto", draft_sampling: str = "greedy",
-                 fused: bool | None = None, **constraints) -> None:
+                 fused: bool | None = None, policy: KPolicy | None = None, **constraints) -> None:
         """`constraints`: vLLM's repetition_penalty, frequency_penalty, presence_penalty,
-        allowed_token_ids, banned_token_ids and bad_words (strings), as `sampling_params` takes them."""
+        allowed_token_ids, banned_token_ids and bad_words (strings), as `sampling_params` takes them.
+        `policy` sets k each step (`workbench.decoding.adaptive`; default: always k)."""
         k = num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
             raise RequestError(f"num_speculative_tokens = {k!r}; expected an integer in [1, {MAX_K}]")
         if fused not in (None, True, False):
             raise RequestError(f"fused = {fused!r}; expected None (where it applies), True or False")
-        if draft_sampling not in ("greedy", "sample"):
-            raise RequestError(f"draft sampling = {draft_sampling!r}; expected 'greedy' or 'sample'")
         attention = pair.with_attention(attention).attention
-        self.params = params = sampling_params(pair, temperature, top_p, top_k, **constraints)
-        self.acceptor = acceptor if not isinstance(acceptor, (str, type(None))) else acceptor_for(params, acceptor)
-        if isinstance(self.acceptor, SyntheticAcceptor):
-            check_synthetic_rates(self.acceptor.rates, k)
-        fit = fits(proposer if isinstance(proposer, str) else "custom", draft_sampling, params, self.acceptor, attention)
+        self.params, self.acceptor = checked_settings(pair, k, temperature, top_p, top_k, acceptor, draft_sampling,
+                                                      **constraints)
+        fit = fits(proposer if isinstance(proposer, str) else "custom", draft_sampling, self.params, self.acceptor,
+                   attention)
         if fused and not fit:
-            raise RequestError("fused = True needs greedy decoding with the pair's EAGLE draft, the greedy "
-                               "acceptor, no penalty or token constraint, and attention 'torch'")
+            raise RequestError(FUSED_NEEDS)
         use = bool(fit and (fused or (fused is None and pair.compiled)))
-        self.engine = BatchDecoder(pair, k, max_batch_size=1, proposer=proposer, attention=attention, fused=use,
-                                   preallocate=False)
+        self.engine = BatchDecoder(pair, k, max_batch_size=1, policy=policy, proposer=proposer, attention=attention,
+                                   fused=use, preallocate=False)
         self.pair, self.k, self.seed, self.attention = self.engine.pair, k, seed, attention
         self.proposer = self.engine.drafter
         self.fused = self.engine.drafter if use else None
-        self.request_settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, acceptor=self.acceptor,
-                             draft_sampling=draft_sampling, **constraints)
-        self._sampled = isinstance(self.proposer, EagleDrafter) and draft_sampling == "sample" and not params.greedy
+        self.request_settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                     acceptor=self.acceptor, draft_sampling=draft_sampling, **constraints)
+        self._sampled = samples_drafts(self.proposer, draft_sampling, self.params)
 
     @property
     def acceptance_rule(self) -> str:
