@@ -18,7 +18,7 @@ from tests.test_sampling import (END, PROMPT, VOCAB, empirical, exact_first_two,
 import workbench as wb
 from workbench.decoding.adaptive import ConfidenceStop, GoodputEMA, ScheduleK, StepCosts
 from workbench.decoding.batch import BatchDecoder
-from workbench.decoding.proposers import Proposal
+from workbench.decoding.drafters import Proposal
 from workbench.batch_schedule import read_schedule
 
 PROMPTS = [json.loads(line)["prompt"] for line in (REPO / "assets/prompts/code.jsonl").read_text().splitlines()[:8]]
@@ -270,10 +270,13 @@ class OracleDrafter:
     def __init__(self, pair) -> None:
         self.pair = pair
 
-    def admit(self, slot, row, aux) -> None:
+    def admit(self, slot, row, prefill) -> None:
         pass
 
     def move(self, src, dst) -> None:
+        pass
+
+    def reserve(self, max_len) -> None:
         pass
 
     def propose(self, rows, ks, stop_below):

@@ -95,34 +95,43 @@ def test_step_components_time_each_part_at_one_position(pair, fused):
     if fused:
         assert dec.fused.calls - calls == 1 + 1 + 3
     assert dec.generate(PROMPTS[1], 12).tokens == before == ar.tokens  # the decoder is as it was
-    with pytest.raises(ValueError, match="rewind to"):  # a proposer forgets only positions it has seen
-        dec.proposer.rewind(dec.proposer.seen + 1)
     with pytest.raises(ValueError, match="repeats = 0"):
         step_components(dec, PROMPTS[1], 12, repeats=0)
     with pytest.raises(ValueError, match="no room for two steps of k = 2"):  # two positions short of the context
         step_components(dec, [5] * (pair.context_length - 2), 4, repeats=1)
 
 
-def test_step_components_need_a_proposer_that_can_rewind(pair):
-    class Fixed:  # a Proposer of its own, written before rewind() was part of the protocol
+def test_step_components_repeat_a_step_of_any_drafter(pair):
+    """The engine puts a step back itself (`BatchDecoder.mark`): a drafter keeps its rows' state on the rows."""
+
+    class Fixed:  # a Drafter of its own
         name, needs_aux = "fixed", False
 
-        def reset(self, max_len):
+        def admit(self, slot, row, prefill):
             pass
 
-        def propose(self, tokens, new_aux, k):
-            return wb.Proposal([tokens[-1]] * k)
+        def move(self, src, dst):
+            pass
+
+        def reserve(self, max_len):
+            pass
+
+        def propose(self, rows, ks, stop_below):
+            return [wb.Proposal([r.verified[-1]] * k) for r, k in zip(rows, ks)]
 
     dec = wb.SpecDecoder(pair, 2, proposer=Fixed())
-    assert len(dec.generate(PROMPTS[0], 6).tokens) == 6  # the engine itself never rewinds
-    with pytest.raises(ValueError, match="proposer Fixed has no rewind"):
-        step_components(dec, PROMPTS[0], 6, repeats=1)
+    before = dec.generate(PROMPTS[0], 6).tokens
+    assert len(before) == 6 and step_components(dec, PROMPTS[0], 6, repeats=2)["repeats"] == 2
+    assert dec.generate(PROMPTS[0], 6).tokens == before
 
 
 def test_bench_reports_the_components_when_asked(pair):
     r = run_bench(pair, PROMPTS[:1], k=2, max_new_tokens=10, peers=False, progress=False, components=2)
     c = r["components"]
     assert c["repeats"] == 2 and c["fused"] == r["fused"]
+    assert {**r["engine"], "drafter": None} == {"loop": "batched", "max_batch_size": 1, "k": 2, "fused": r["fused"],
+                                                "drafter": None, "policy": "static", "attention": r["attention"],
+                                                "compiled": r["compiled"], "acceptance_rule": "greedy"}
     assert "components" not in run_bench(pair, PROMPTS[:1], k=2, max_new_tokens=4, peers=False, progress=False)
     assert (f"alone at position {c['position']} (medians of 2): a decode {c['decode_ms']:.2f} ms, a verify of 3"
             in _bench_text(r)) and f"at most {c['speedup_if_all_accepted']:.2f}x" in _bench_text(r).splitlines()[-1]

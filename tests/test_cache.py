@@ -93,21 +93,21 @@ def test_models_refuse_to_overflow_their_cache():
 # ---------------------------------------------------------------------------------------------
 # Rollback inside the engine.
 
-class SteeredEagle(wb.EagleProposer):
-    """The real EAGLE proposer (its draft cache and aux bookkeeping run as usual) whose tokens are
+class SteeredEagle(wb.EagleDrafter):
+    """The real EAGLE drafter (its draft cache and aux bookkeeping run as usual) whose tokens are
     replaced by a script, so that steps accept 0..k proposals on random weights."""
 
     def __init__(self, pair, script: ScriptedProposer) -> None:
-        super().__init__(pair.draft)
+        super().__init__(pair.draft, 1)
         self.script = script
 
-    def reset(self, max_len: int) -> None:
-        super().reset(max_len)
-        self.script.reset(max_len)
+    def admit(self, slot, row, prefill) -> None:
+        super().admit(slot, row, prefill)
+        self.script.admit(slot, row, prefill)
 
-    def propose(self, tokens, new_aux, k):
-        real = super().propose(tokens, new_aux, k)
-        return wb.Proposal(self.script.scripted(tokens, k), None, real.token_probs)
+    def propose(self, rows, ks, stop_below):
+        real = super().propose(rows, ks, stop_below)
+        return [wb.Proposal(self.script.scripted(r.verified, k), None, p.token_probs) for r, k, p in zip(rows, ks, real)]
 
 
 @torch.inference_mode()
@@ -123,13 +123,10 @@ def fresh_caches(pair: wb.ModelPair, verified: list[int]) -> tuple[wb.KVCache, w
 
 
 @pytest.mark.parametrize("attention, k", [("mla", 3), ("mha", 5)])
-def test_caches_equal_a_fresh_prefill_after_every_step(monkeypatch, attention, k):
+def test_caches_equal_a_fresh_prefill_after_every_step(attention, k):
     pair = random_pair(seed=2 if attention == "mla" else 5, attention=attention)
     prompt = [(37 * i + 11) % 500 + 2 for i in range(14)]
     truth = greedy_chain(pair, prompt, 40)
-    made = []  # the engine's verifier cache is local to stream(): catch it where the pair makes it
-    make_cache = pair.verifier_cache
-    monkeypatch.setattr(pair, "verifier_cache", lambda n: made.append(make_cache(n)) or made[-1])
     pattern = [0, 2, k, 1, 0, k, 3]
     proposer = SteeredEagle(pair, ScriptedProposer(prompt, truth, pattern, pair.verifier.config.vocab_size))
     dec = wb.SpecDecoder(pair, k, proposer=proposer)
@@ -141,11 +138,10 @@ def test_caches_equal_a_fresh_prefill_after_every_step(monkeypatch, attention, k
         if ev.kind != "spec" or ev.finish_reason:
             continue
         seen_accepts.add(ev.num_accepted)
-        assert len(made) == 1
-        vcache = made[0]
+        vcache = dec.engine.vcache
         assert vcache.length == len(verified) - 1, f"step {ev.step}: verifier cache not rolled back"
         torch.testing.assert_close(vcache.valid(), fresh_caches(pair, verified)[0].valid(), atol=1e-5, rtol=1e-5)
-        seen = proposer.seen
+        seen = dec.engine.rows[0].seen
         assert seen == len(before) - 1
         assert proposer.cache.length == seen + ev.k - 1  # the k-1 provisional rows after `seen`
         fresh_draft = fresh_caches(pair, before)[1]

@@ -50,14 +50,15 @@ def test_handed_over_caches_equal_a_fresh_prefill(embedded_pair):
     pair = embedded_pair.reference()  # fp32 plain models
     dec = _decoder(pair)
     h = prefill_instance(dec, PROMPT, 8, "full")
-    req = dec.request(PROMPT, 8)
-    _, fresh, _, _ = dec.prefill(req)
+    ids = pair.encode(PROMPT)
+    fresh = pair.verifier_cache(len(ids))
+    pair.verifier(torch.tensor([ids]), fresh)
     torch.testing.assert_close(h.verifier_rows.tensor(), fresh.valid(), rtol=0, atol=1e-5)
     # the draft's rows equal those the engine writes in one process before its first chain
     one = _decoder(pair)
     list(one.stream(PROMPT, 2))
-    T = len(req.prompt_ids)
-    torch.testing.assert_close(h.draft_rows.tensor(), one.proposer.cache.valid()[:, :, :T - 1], rtol=0, atol=1e-5)
+    T = len(ids)
+    torch.testing.assert_close(h.draft_rows.tensor(), one.proposer.cache.rows[:, :1, :T - 1], rtol=0, atol=1e-5)
     x = torch.randn(3, 5, dtype=torch.bfloat16)
     assert torch.equal(Packed.of(x).tensor(), x) and Packed.of(x).nbytes == 30  # bf16 crosses as its bits
 

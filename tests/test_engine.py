@@ -3,7 +3,7 @@
 Greedy speculative decoding must emit exactly the tokens plain greedy decoding emits, for any
 draft, any k and any prompt: the draft only decides how many verifier forwards it takes.
 On random weights a draft is almost never accepted, so besides the real EAGLE and n-gram
-proposers a *scripted* proposer feeds the verifier its own greedy continuation for a chosen
+drafters a *scripted* drafter feeds the verifier its own greedy continuation for a chosen
 number of positions and a certainly-wrong token after them: every accept/correct/bonus path
 then runs with a known expected outcome. The tests hold for the random embedded pair and for
 a trained one in the same format.
@@ -96,7 +96,7 @@ class ScriptedProposer:
     """Proposes the verifier's greedy continuation at the first `pattern[step]` positions of each
     step and a token that differs from it after them, so the accepted count is known in advance.
 
-    Follows the `Proposer` protocol (name, needs_aux, reset, propose).
+    Follows the `Drafter` protocol (name, needs_aux, admit, propose, move, reserve), for one row.
     """
 
     name = "scripted"
@@ -106,8 +106,14 @@ class ScriptedProposer:
         self.prompt_len, self.truth, self.pattern, self.vocab = len(prompt_ids), truth, pattern, vocab
         self.calls = 0
 
-    def reset(self, max_len: int) -> None:
+    def admit(self, slot, row, prefill) -> None:
         self.calls = 0
+
+    def move(self, src: int, dst: int) -> None:
+        pass
+
+    def reserve(self, max_len: int) -> None:
+        pass
 
     def scripted(self, tokens: list[int], k: int) -> list[int]:
         done = len(tokens) - self.prompt_len  # tokens emitted so far; truth[done] comes next
@@ -119,8 +125,8 @@ class ScriptedProposer:
             out.append(t if i < good else (t + 1) % self.vocab)
         return out
 
-    def propose(self, tokens: list[int], new_aux, k: int) -> wb.Proposal:
-        return wb.Proposal(self.scripted(tokens, k), None, [1.0] * k)
+    def propose(self, rows, ks, stop_below) -> list[wb.Proposal]:
+        return [wb.Proposal(self.scripted(r.verified, k), None, [1.0] * k) for r, k in zip(rows, ks)]
 
 
 def expected_accepts(event: wb.StepEvent, truth: list[int], done: int) -> int:

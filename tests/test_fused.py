@@ -93,7 +93,10 @@ def test_when_a_step_is_fused(fp32_pair):
         wb.SpecDecoder(pair, 3, fused="yes")
     a, b = wb.SpecDecoder(pair, 3, fused=True), wb.SpecDecoder(pair, 3, fused=True)
     assert a.fused is not b.fused and a.fused.fn is b.fused.fn  # each decoder's own state, one function per pair
-    assert a.step is a.fused and wb.SpecDecoder(pair, 4, fused=True).fused.k == 4
+    assert a.proposer is a.fused and wb.SpecDecoder(pair, 4, fused=True).fused.k == 4
+    assert a.engine.settings()["fused"] and a.engine_report()["drafter"] == "eagle3-mla (fused)"
+    with pytest.raises(wb.RequestError, match="fused = True needs max_batch_size = 1"):
+        wb.BatchDecoder(pair, 3, max_batch_size=2, fused=True)
 
 
 def test_nan_logits_in_a_fused_step_raise_and_the_decoder_recovers():

@@ -317,18 +317,26 @@ class OracleProposer:
     """A draft that proposes the verifier's own most likely next token: a good greedy EAGLE draft
     (vLLM's default, `draft_probs=None`), or with `smoothed=True` a token sampled from
     q = 0.8 onehot(argmax p) + 0.2 uniform, passed as real `draft_probs`. Either way the first
-    proposal is accepted about as often as it is rejected, and the residual is far from p."""
+    proposal is accepted about as often as it is rejected, and the residual is far from p.
+    A `Drafter` for one row."""
 
     name, needs_aux = "oracle", False
 
     def __init__(self, pair: wb.ModelPair, smoothed: bool = False, seed: int = 0) -> None:
         self.pair, self.smoothed, self.g = pair, smoothed, torch.Generator().manual_seed(seed)
 
-    def reset(self, max_len: int) -> None:
+    def admit(self, slot, row, prefill) -> None:
         pass
 
-    def propose(self, tokens: list[int], new_aux, k: int) -> wb.Proposal:
-        ids, qs = list(tokens), []
+    def move(self, src, dst) -> None:
+        pass
+
+    def reserve(self, max_len) -> None:
+        pass
+
+    def propose(self, rows, ks, stop_below) -> list[wb.Proposal]:
+        (row,), (k,) = rows, ks
+        ids, qs = list(row.verified), []
         for _ in range(k):
             p = self.pair.verifier(torch.tensor([ids])).logits[0, -1].float().softmax(-1)
             q = torch.nn.functional.one_hot(p.argmax(), VOCAB).float()
@@ -336,8 +344,8 @@ class OracleProposer:
                 q = 0.8 * q + 0.2 / VOCAB
             qs.append(q)
             ids.append(int(torch.multinomial(q, 1, generator=self.g)))
-        out = ids[len(tokens):]
-        return wb.Proposal(out, torch.stack(qs) if self.smoothed else None, [float(q[t]) for q, t in zip(qs, out)])
+        out = ids[len(row.verified):]
+        return [wb.Proposal(out, torch.stack(qs) if self.smoothed else None, [float(q[t]) for q, t in zip(qs, out)])]
 
 
 def resample_bug(p: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from workbench.decoding.adaptive import Compose, ConfidenceStop, GoodputEMA, Sch
 from workbench.decoding.batch import BatchDecoder
 from workbench.decoding.engine import MAX_K, RequestError, SpecDecoder, generate_autoregressive
 from workbench.decoding.events import GenerationResult, GenerationStats, StepEvent
-from workbench.decoding.proposers import EagleProposer, NgramProposer, Proposal, Proposer
+from workbench.decoding.drafters import Drafter, EagleDrafter, NgramDrafter, Proposal
 from workbench.decoding.serving import BatchServer, Ticket
 from workbench.decoding.stats import compute_stats
 from workbench.decoding.sampling import (GreedyAcceptor, RejectionAcceptor, SamplingError, SamplingParams,
@@ -24,9 +24,9 @@ from workbench.pair import ModelPair, PairingError, check_pairing, load_draft, l
 
 __all__ = [
     "BatchDecoder", "BatchServer", "Compose", "ConfidenceStop", "GoodputEMA", "ScheduleK", "StaticK", "StepCosts",
-    "Ticket", "CheckpointError", "ConfigError", "ContextLengthError", "DraftConfig", "Eagle3Draft", "EagleProposer",
-    "GenerationResult", "GenerationStats", "GreedyAcceptor", "KVCache", "MAX_K", "ModelPair", "NgramProposer",
-    "PairingError", "Proposal", "Proposer", "RejectionAcceptor", "RequestError", "SamplingError", "SamplingParams",
+    "Ticket", "CheckpointError", "ConfigError", "ContextLengthError", "Drafter", "DraftConfig", "Eagle3Draft", "EagleDrafter",
+    "GenerationResult", "GenerationStats", "GreedyAcceptor", "KVCache", "MAX_K", "ModelPair", "NgramDrafter",
+    "PairingError", "Proposal", "RejectionAcceptor", "RequestError", "SamplingError", "SamplingParams",
     "SpecDecoder", "StepEvent", "Verifier", "VerifierConfig", "VerifierOutput", "accept_split", "check_pairing",
     "compute_stats", "detect_loop",
     "generate_autoregressive", "load_draft", "load_pair", "load_verifier", "probs_from_logits", "save_model",

@@ -97,17 +97,17 @@ def step_components(dec, prompt: str | list[int], max_new_tokens: int = 128, rep
     """One speculative step's parts, each timed alone against one decode, at one position.
 
     `step_cost` reads a step from the bench's loop; this repeats one step of the decoder's own
-    `Step` (`dec.step`) `repeats` times at the same position (its state and the cache put back
-    with `Step.mark` before each call; medians), beside the verifier's 1-token decode and k+1-token
-    verify at that position. The position is half-way through the prompt's greedy continuation,
-    prefilled as one forward and then one step taken, so the step timed drafts as it does in the
-    loop. `draft_ms` and `step_verify_ms` are the step's own split of its time; `verify_then_draft_ms`
-    their sum, so `step_ms` above it is the step's host work.
+    engine (`dec.engine.step`, the loop that serves) `repeats` times at the same position (the rows,
+    caches and drafting put back with `BatchDecoder.mark` before each call; medians), beside the
+    verifier's 1-token decode and k+1-token verify at that position. The position is half-way
+    through the prompt's greedy continuation, prefilled as one forward and then one step taken, so
+    the step timed drafts as it does in the loop. `draft_ms` and `step_verify_ms` are the step's own
+    split of its time; `verify_then_draft_ms` their sum, so `step_ms` above it is the step's host work.
     """
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"step components: repeats = {repeats!r}; expected an integer >= 1")
-    pair, k = dec.pair, dec.k
+    pair, k, engine = dec.pair, dec.k, dec.engine
     ar = generate_autoregressive(pair, prompt, max_new_tokens)
     seq = ar.prompt_tokens + ar.tokens[: max(0, len(ar.tokens) - 1) // 2]
     cache_len = dec.cache_rows(len(ar.prompt_tokens), max_new_tokens, pair.context_length)
@@ -118,35 +118,35 @@ def step_components(dec, prompt: str | list[int], max_new_tokens: int = 128, rep
     def median_ms(fn) -> float:
         return statistics.median(_timed(fn)[1] for _ in range(repeats)) * 1e3
 
-    with torch.inference_mode():
-        vcache = pair.verifier_cache(cache_len)
-        out = pair.verifier(torch.tensor([seq], device=pair.device), vcache, logits_to_keep=1)
-        verified = seq + [int(out.logits[0, -1].float().argmax())]
-        dec.step.begin(verified, out, vcache)
-        o = dec.step.step(verified, k, vcache)  # into the steady state: the next draft covers one step's rows
-        verified = verified + o.proposals[:o.verdict.num_accepted] + [o.verdict.next_token]
-        n, restore = vcache.length, dec.step.mark(vcache)
-        x1 = torch.tensor([[verified[-1]]], device=pair.device)
-        xk = torch.tensor([[verified[-1]] + [verified[-1]] * k], device=pair.device)
-        outcomes = []
+    rid = dec.submit(seq, max_new_tokens)
+    try:
+        engine.step()  # the prefill, then a step into the steady state: the next draft covers one step's rows
+        with torch.inference_mode():
+            vcache, row = engine.vcache.view(0), engine.rows[0]
+            n, restore = vcache.length, engine.mark()
+            x1 = torch.tensor([[row.verified[-1]]], device=pair.device)
+            xk = torch.tensor([[row.verified[-1]] * (k + 1)], device=pair.device)
+            events = []
 
-        def decode():
-            pair.verifier(x1, vcache, logits_to_keep=1)
-            vcache.truncate(n)
+            def decode():
+                pair.verifier(x1, vcache, logits_to_keep=1)
+                vcache.truncate(n)
 
-        def verify():
-            pair.verifier(xk, vcache)
-            vcache.truncate(n)
+            def verify():
+                pair.verifier(xk, vcache)
+                vcache.truncate(n)
 
-        def step():
+            def step():
+                restore()
+                events.extend(ev for _, ev in engine.step())
+
+            t = {"decode_ms": median_ms(decode), "verify_ms": median_ms(verify), "step_ms": median_ms(step)}
             restore()
-            outcomes.append(dec.step.step(verified, k, vcache))
-
-        t = {"decode_ms": median_ms(decode), "verify_ms": median_ms(verify), "step_ms": median_ms(step)}
-        restore()
-    t["draft_ms"] = statistics.median(o.draft_time for o in outcomes) * 1e3
-    t["step_verify_ms"] = statistics.median(o.verify_time for o in outcomes) * 1e3
-    t["verify_then_draft_ms"] = statistics.median(o.draft_time + o.verify_time for o in outcomes) * 1e3
+    finally:
+        engine.cancel(rid)
+    t["draft_ms"] = statistics.median(e.draft_time for e in events) * 1e3
+    t["step_verify_ms"] = statistics.median(e.verify_time for e in events) * 1e3
+    t["verify_then_draft_ms"] = statistics.median(e.draft_time + e.verify_time for e in events) * 1e3
     per = {f"{name[:-3]}_decodes": t[name] / t["decode_ms"]
            for name in ("verify_ms", "draft_ms", "step_ms", "verify_then_draft_ms")}
     return {"position": n, "repeats": repeats, "fused": dec.fused is not None, **t, **per,
@@ -220,7 +220,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
         "device": str(pair.device), "machine": machine(), "fast_path": dec.pair.status(), "cpu_kernels": cpu.status(),
         "attention": dec.attention, "heal": heal,
         "threads": torch.get_num_threads(), "repeats": repeats,
-        "compiled": pair.compiled, "fused": dec.fused is not None, "warmup_s": warmup_s, "graph_cache": graph_cache,
+        "compiled": pair.compiled, "fused": dec.fused is not None, "engine": dec.engine_report(), "warmup_s": warmup_s, "graph_cache": graph_cache,
         "verifier": pair.verifier_dir, "draft": pair.draft_dir,
         **hygiene(pair, prompts, split),
         "accept_length": stats.accept_length, "per_position_acceptance": stats.per_position_acceptance,

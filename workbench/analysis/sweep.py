@@ -121,6 +121,7 @@ class SweepResult:
     models: dict[float, ModelCurve]
     draft: str = "draft"  # what speculative_config names as the model
     measurements: dict[float, Measurements] = field(default_factory=dict, repr=False)
+    engine: dict = field(default_factory=dict)  # what ran the speculative arms (`SpecDecoder.engine_report`)
 
     def point(self, temperature: float, k: int) -> SweepPoint:
         for p in self.points:
@@ -148,7 +149,7 @@ class SweepResult:
         return {
             "ks": self.ks, "temperatures": self.temperatures, "num_prompts": self.num_prompts,
             "repeats": self.repeats, "max_new_tokens": self.max_new_tokens, "seed": self.seed,
-            "attention": self.attention, "acceptance": self.acceptance,
+            "attention": self.attention, "acceptance": self.acceptance, "engine": self.engine,
             "acceptance_rules": {str(t): r for t, r in self.acceptance_rules.items()},
             "points": [p.to_dict() for p in self.points],
             "models": {str(t): m.to_dict() for t, m in self.models.items()},
@@ -216,7 +217,8 @@ def _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates, accepto
 
     base = Arm(arm_name(0), 0, lambda prompt: generate_autoregressive(pair, prompt, max_new_tokens, temperature=t,
                                                                            seed=seed, attention=attention))
-    return [base, *(spec_arm(k) for k in ks)], decoder(max(ks), synthetic_rates).acceptance_rule
+    largest = decoder(max(ks), synthetic_rates)
+    return [base, *(spec_arm(k) for k in ks)], largest.acceptance_rule, largest.engine_report()
 
 
 def _points(m: Measurements, t: float, curve: ModelCurve) -> list[SweepPoint]:
@@ -273,7 +275,7 @@ def run_sweep(pair, prompts: Sequence[str], ks: Sequence[int], temperatures: Seq
     points, models, rules, ms = [], {}, {}, {}
     per_t = len(prompts) * repeats * (len(ks) + 1)
     for i, t in enumerate(temps):
-        arms, rules[t] = _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates, acceptor, draft_sampling)
+        arms, rules[t], engine = _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates, acceptor, draft_sampling)
         tick = None if progress is None else (lambda j, n, s, i=i, t=t: progress(i * per_t + j, per_t * len(temps),
                                                                                  f"T={t} {s}"))
         m = ms[t] = measure(arms, prompts, repeats, warmup, tick)
@@ -281,7 +283,8 @@ def run_sweep(pair, prompts: Sequence[str], ks: Sequence[int], temperatures: Seq
         points += _points(m, t, models[t])
     acceptance = "draft" if synthetic_rates is None else f"synthetic {list(synthetic_rates)}"
     return SweepResult(ks, temps, len(prompts), repeats, max_new_tokens, seed, pair.with_attention(attention).attention,
-                       acceptance, rules, points, models, draft_name or pair.draft_dir or "draft", ms)
+                       acceptance, rules, points, models, draft_name or pair.draft_dir or "draft", ms,
+                       {**engine, "k": list(ks)})
 
 
 def _recommend(res: SweepResult, t: float) -> Recommendation:

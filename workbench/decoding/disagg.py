@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workbench.decoding.engine import SpecDecoder
+from workbench.decoding.drafters import EagleDrafter
+from workbench.decoding.engine import SpecDecoder, run_one
 from workbench.decoding.events import GenerationResult, StepEvent
-from workbench.decoding.proposers import EagleProposer
-from workbench.decoding.step import ProposeVerifyAccept
+from workbench.decoding.request import _Emitter, result_of
 
 MODES = ("full", "recompute", "cold")  # what the prefill instance hands over: the draft KV, its input, or nothing
 
@@ -79,7 +79,7 @@ class Handover:
 def _check(dec: SpecDecoder, mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode = {mode!r}; expected one of {', '.join(MODES)}")
-    if not isinstance(dec.proposer, EagleProposer) or not isinstance(dec.step, ProposeVerifyAccept):
+    if not isinstance(dec.proposer, EagleDrafter) or dec.fused is not None:
         raise ValueError("disaggregation needs an EAGLE draft on the unfused step (SpecDecoder(..., fused=False))")
 
 
@@ -88,14 +88,17 @@ def prefill_instance(dec: SpecDecoder, prompt: str | list[int], max_new_tokens: 
                      stop: str | list[str] | None = None, heal: bool = False) -> Handover:
     """The prefill side: the prompt's forward, the first token, and the bytes the decode side needs."""
     _check(dec, mode)
-    req = dec.request(prompt, max_new_tokens, stop, heal=heal)
-    out, cache, first, event = dec.prefill(req)
+    engine = dec.engine
+    dec.submit(prompt, max_new_tokens, stop, heal=heal)
+    row = engine.queue.popleft()  # prefilled here, decoded on the other side
+    req, cache = row.req, dec.pair.verifier_cache(engine.rows_needed(row.req))
+    event, out = engine._prefill(row, cache)
     T = len(req.prompt_ids)
     aux = out.aux_hidden_states  # each [1, T, H]
-    h = Handover(mode, req, first, event, Packed.of(cache.valid()), tuple(Packed.of(a[:, -1:]) for a in aux),
-                 generator_state=dec.generator.get_state().numpy().tobytes(), prefill_s=event.verify_time)
+    h = Handover(mode, req, row.verified[-1], event, Packed.of(cache.valid()), tuple(Packed.of(a[:, -1:]) for a in aux),
+                 generator_state=row.generator.get_state().numpy().tobytes(), prefill_s=event.verify_time)
     if mode == "full" and T > 1:  # the draft's prompt pass, as the engine runs it before its first chain
-        draft = dec.proposer.draft
+        draft = dec.pair.draft
         dcache = draft.new_cache(T)
         ids = torch.tensor([req.prompt_ids[1:]], device=cache.rows.device)
         draft(ids, draft.combine_hidden_states(tuple(a[:, :-1] for a in aux)), dcache)
@@ -110,27 +113,38 @@ def prefill_instance(dec: SpecDecoder, prompt: str | list[int], max_new_tokens: 
 
 @torch.inference_mode()
 def decode_instance(dec: SpecDecoder, h: Handover) -> GenerationResult:
-    """The decode side: caches rebuilt from `h`'s bytes, then the speculative steps, as in one process."""
+    """The decode side: caches rebuilt from `h`'s bytes into the engine's slot, then the speculative
+    steps, as in one process."""
     _check(dec, h.mode)
-    t0 = time.perf_counter()
-    req, pair = dec.begin(h.request, h.first_token), dec.pair
-    dec.generator.set_state(torch.from_numpy(np.frombuffer(h.generator_state, dtype=np.uint8).copy()))
-    T = len(req.prompt_ids)
-    cache = pair.verifier_cache(dec.cache_rows(T, req.max_new_tokens, req.max_len))
-    cache.rows[:, :, :T] = h.verifier_rows.tensor(cache.rows.device)
-    cache.length = T
-    verified = req.prompt_ids + [h.first_token]
-    device = cache.rows.device
-    aux = tuple(p.tensor(device) for p in (h.prompt_aux if h.mode == "recompute" else h.last_aux))
-    dec.step.begin(verified, _Prefilled(aux), cache)
-    if h.mode != "recompute":  # cold (no rows), or full (no rows either for a one-token prompt)
-        dec.proposer.start_at(T - 1, h.draft_rows.tensor(device) if h.draft_rows is not None else None)
-    events = [h.first_event, *dec.steps(verified, cache)]
-    return dec.result(events, h.prefill_s + time.perf_counter() - t0)
+    t0, engine, req = time.perf_counter(), dec.engine, h.request
+    rid = dec.submit(req.prompt_ids, req.max_new_tokens)
+    row = engine.queue.popleft()
+    row.req, T = req, len(req.prompt_ids)  # as checked (and healed) on the prefill side
+    row.emitter = _Emitter(dec.pair, req)
+    row.emitter.add(h.first_token)
+    row.verified, row.events = req.prompt_ids + [h.first_token], [h.first_event]
+    row.generator.set_state(torch.from_numpy(np.frombuffer(h.generator_state, dtype=np.uint8).copy()))
+    if row.emitter.finish is None:
+        engine._reserve(engine.rows_needed(req))
+        cache = engine.vcache.view(0)
+        cache.rows[:, :, :T] = h.verifier_rows.tensor(cache.rows.device)
+        cache.length = T
+        device = cache.rows.device
+        aux = tuple(p.tensor(device) for p in (h.prompt_aux if h.mode == "recompute" else h.last_aux))
+        if h.mode == "recompute":
+            engine.drafter.admit(0, row, _Prefilled(aux))
+        else:  # cold (no rows), or full (no rows either for a one-token prompt)
+            engine.drafter.start_at(0, row, T - 1, h.draft_rows.tensor(device) if h.draft_rows is not None else None)
+            row.aux = aux
+        engine.rows.append(row)
+        events = [h.first_event, *run_one(engine, rid)]
+    else:
+        events = [h.first_event]
+    return result_of(events, row.emitter, h.prefill_s + time.perf_counter() - t0, dec.k, dec.acceptance_rule)
 
 
 @dataclass
 class _Prefilled:
-    """What `Step.begin` reads from a prefill's output: the aux states the draft has not seen yet."""
+    """What `Drafter.admit` reads from a prefill's output: the aux states the draft has not seen yet."""
 
     aux_hidden_states: tuple[torch.Tensor, ...]

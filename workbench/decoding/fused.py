@@ -11,22 +11,20 @@ count the argmax *is* the next verified token (an accepted proposal, then the co
 the bonus), and the rows after it are never read before the next step's first pass overwrites
 them; the chain continues from the accepted count's row, at positions only the device knows
 (`Eagle3Draft.forward_at`). The host reads one small result per step. The same call, over the
-prompt's last position, makes the first proposal after a prefill. `FusedGreedyStep` is this as a
-`workbench.decoding.step.Step`.
+prompt's last position, makes the first proposal after a prefill. `FusedDrafter` is this as the
+engine's drafter for one row (`workbench.decoding.batch`).
 
 Greedy only: rejection sampling draws from the host's generator between the two halves.
 """
 from __future__ import annotations
 
-import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from workbench.cache import KVCache
-from workbench.decoding.sampling import Verdict
-from workbench.decoding.step import StepOutcome
+from workbench.decoding.drafters import Proposal
+from workbench.decoding.sampling import GreedyAcceptor, Verdict, nonfinite_error
 
 
 def first_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -59,19 +57,25 @@ def accept_and_draft(draft, logits: torch.Tensor, aux: tuple[torch.Tensor, ...],
     p_proposals = probs[:-1].gather(1, x[0, 1:, None])[:, 0]
     p_target = probs.gather(1, target[:, None])[:, 0]
     finite = torch.isfinite(logits.amax(-1)).all()
-    proposals, q = type(draft).greedy_chain(draft, target[None], aux, dcache, k, last=accepted)
+    proposals, q = _chain_after(draft, target[None], aux, dcache, k, accepted)
     return torch.cat([accepted[None], target, proposals[0]]), torch.cat([p_proposals, p_target, q[0]]), finite
 
 
-@dataclass
-class FusedOutcome:
-    num_accepted: int
-    next_token: int  # the correction or the bonus
-    verifier_probs: list[float]  # p(proposal_i), softmax of the verifier's logits
-    next_token_prob: float
-    proposals: list[int]  # the next step's k proposals
-    draft_probs: list[float]  # q of each, under the draft's softmax
-    finite: bool  # every verified logit row had a finite max (the caller raises otherwise)
+def _chain_after(draft, ids: torch.Tensor, aux, dcache: KVCache, k: int, accepted: torch.Tensor):
+    """`Eagle3Draft.greedy_chain`'s first pass over ids [1, T], continued from row `accepted` (a 0-d
+    tensor) rather than the last: the k-1 steps write at start + accepted + 1 + i, positions only
+    the device knows (`forward_at`); rows after the accepted one are left for the next first pass."""
+    start, T = dcache.length, ids.shape[1]
+    post, state = draft.draft_pass(ids, draft.combine_hidden_states(aux), dcache)
+    row = accepted.reshape(1)
+    post, state = post.index_select(1, row), state.index_select(1, row)
+    tokens, probs = [], []
+    for i in range(k):
+        t, p = draft.greedy_pick(post)
+        tokens.append(t), probs.append(p)
+        if i + 1 < k:
+            post, state = draft.forward_at(t, state, dcache, start + accepted + 1 + i, start + T + k - 1)
+    return torch.cat(tokens, 1), torch.cat(probs, 1)
 
 
 _FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft -> its compiled accept_and_draft
@@ -88,76 +92,70 @@ def _accept_and_draft_for(draft, compiled: bool):
     return _FNS[draft]
 
 
-class FusedGreedyStep:
-    """The `Step` for greedy EAGLE: the verifier's forward, then `accept_and_draft` (compiled on a
-    compiled pair). It drafts each step's proposals at the end of the step before."""
+class FusedDrafter:
+    """The drafter of the engine's fused greedy step (one row): it drafts each step's proposals at the end
+    of the step before, in `accept`, which the engine calls after the verifier's forward in place of the
+    acceptor: `accept_and_draft`, compiled on a compiled pair. The proposals waiting for the next step
+    are the row's (`row.upcoming`)."""
 
-    def __init__(self, verifier, draft, k: int, compiled: bool) -> None:
-        self.verifier, self.draft, self.k = verifier, draft, k
+    needs_aux = False  # the verify's aux states go straight into `accept`
+
+    def __init__(self, draft, k: int, compiled: bool) -> None:
+        self.draft, self.k = draft, k
         self.fn = _accept_and_draft_for(draft, compiled)
         self.calls = 0
-        self.dcache: KVCache | None = None
-        self.upcoming: FusedOutcome | None = None  # the proposals the next step verifies
+        self.cache = None  # allocated by `reserve`
+        self.name = f"eagle3-{draft.attention_kind} (fused)"
 
-    def draft_after(self, logits: torch.Tensor, aux, x: torch.Tensor) -> FusedOutcome:
-        """Accept after the verifier's forward over x (its logits [T, V] and aux states) and draft
-        the next k from the draft cache's length on."""
+    def reserve(self, max_len: int) -> None:
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = self.draft.new_cache(max_len)
+
+    def move(self, src: int, dst: int) -> None:
+        raise ValueError("the fused step serves one row; expected max_batch_size = 1")
+
+    def _after(self, logits: torch.Tensor, aux, x: torch.Tensor) -> tuple[Verdict | None, Proposal]:
+        """Accept after the verifier's forward over x (its logits [T, V] and aux states) and draft the
+        next k from the draft cache's length on: (the verdict, None if a logit row was not finite; the
+        next proposals)."""
         self.calls += 1
         # A cache of 0 or 1 rows (after a 1- or 2-token prompt) runs eagerly rather than specialising a graph
-        fn = self.fn if self.dcache.length >= 2 else accept_and_draft
-        ints, floats, finite = fn(self.draft, logits, aux, x, self.dcache, self.k)
+        fn = self.fn if self.cache.length >= 2 else accept_and_draft
+        ints, floats, finite = fn(self.draft, logits, aux, x, self.cache, self.k)
         ints, floats, T = ints.tolist(), floats.tolist(), x.shape[1]
         a = ints[0]
-        return FusedOutcome(a, ints[1 + a], floats[:T - 1], floats[T - 1 + a], ints[1 + T:], floats[2 * T - 1:],
-                            bool(finite))
+        verdict = Verdict(a, ints[1 + a], floats[:T - 1], floats[T - 1 + a]) if finite else None
+        return verdict, Proposal(ints[1 + T:], None, floats[2 * T - 1:])
 
-    @torch.inference_mode()
-    def begin(self, verified: list[int], prefill, cache: KVCache) -> None:
+    def admit(self, slot: int, row, prefill) -> None:
         """The first proposal after a prefill: the draft's pass over the prompt but its last position
         as usual, then that position and the chain through `accept_and_draft`."""
-        if self.dcache is None or self.dcache.max_len < cache.max_len + self.k:
-            self.dcache = self.draft.new_cache(cache.max_len + self.k)  # provisional rows past the context
-        self.dcache.reset()
-        self.steps = 0
-        aux = prefill.aux_hidden_states
-        ids = torch.tensor([verified[1:-1]], device=cache.rows.device)
+        self.cache.reset()
+        aux, ids = prefill.aux_hidden_states, torch.tensor([row.verified[1:-1]], device=prefill.logits.device)
         if ids.shape[1] > 0:
-            self.draft(ids, self.draft.combine_hidden_states(tuple(h[:, :-1] for h in aux)), self.dcache)
+            self.draft(ids, self.draft.combine_hidden_states(tuple(h[:, :-1] for h in aux)), self.cache)
         fresh = torch.contiguous_format  # the prefill's slices: their strides would fail a graph's stride guards
         logits = prefill.logits[0, -1:].clone(memory_format=fresh)
         aux = tuple(h[:, -1:].clone(memory_format=fresh) for h in aux)
-        start = self.dcache.length
-        self.upcoming = self.draft_after(logits, aux, torch.tensor([[verified[-1]]], device=cache.rows.device))
-        self.dcache.truncate(start + 1)
+        start = self.cache.length
+        _, row.upcoming = self._after(logits, aux, torch.tensor([[row.verified[-1]]], device=logits.device))
+        self.cache.truncate(start + 1)
 
-    @torch.inference_mode()
-    def step(self, verified: list[int], k: int, cache: KVCache) -> StepOutcome:
-        from workbench.decoding.sampling import nonfinite_error
+    def propose(self, rows: list, ks: list[int], stop_below: float | None) -> list[Proposal]:
+        return [r.upcoming.cut(k) for r, k in zip(rows, ks)]
 
-        self.steps += 1
-        proposals, token_probs = self.upcoming.proposals[:k], self.upcoming.draft_probs[:k]
-        t = time.perf_counter()
-        start = cache.length
-        x = torch.tensor([[verified[-1]] + proposals], device=cache.rows.device)
-        out = self.verifier(x, cache)  # the per-token graph on a compiled pair; advances the cache
-        t_verify = time.perf_counter() - t
-        t = time.perf_counter()
-        self.dcache.truncate(start)
-        o = self.draft_after(out.logits[0], out.aux_hidden_states, x)
-        cache.truncate(start + 1 + o.num_accepted)
-        self.dcache.truncate(start + 1 + o.num_accepted)  # the first pass's rows up to the accepted count are final
-        if not o.finite:
-            raise nonfinite_error(f"verifier logits at step {self.steps}")
-        self.upcoming = o
-        verdict = Verdict(o.num_accepted, o.next_token, o.verifier_probs, o.next_token_prob)
-        return StepOutcome(proposals, token_probs, verdict, time.perf_counter() - t, t_verify)
+    def accept(self, rows: list, out, x: torch.Tensor, start: int, where: str) -> list[Verdict]:
+        """The row's verdict and its next proposals, after the verifier's forward `out` over x at `start`."""
+        self.cache.truncate(start)
+        verdict, rows[0].upcoming = self._after(out.logits[0], out.aux_hidden_states, x)
+        if verdict is None:
+            raise nonfinite_error(where)
+        self.cache.truncate(start + 1 + verdict.num_accepted)  # the first pass's rows up to the accepted count are final
+        return [verdict]
 
-    def mark(self, cache: KVCache):
-        length, dlength, upcoming = cache.length, self.dcache.length, self.upcoming
 
-        def restore() -> None:
-            cache.truncate(length)
-            self.dcache.truncate(dlength)
-            self.upcoming = upcoming
-
-        return restore
+def fits(drafter: str, draft_sampling: str, params, acceptor, attention: str) -> bool:
+    """Whether a request can take the fused step: greedy decoding with the pair's EAGLE draft, the
+    greedy acceptor, no penalty or token constraint, and attention 'torch'."""
+    return (drafter == "eagle" and (draft_sampling == "greedy" or params.greedy) and params.greedy and params.plain
+            and isinstance(acceptor, GreedyAcceptor) and attention == "torch")

@@ -137,7 +137,8 @@ def check_proposals(proposals: list[int], vocab: int) -> None:
 def greedy_verdicts(logits: torch.Tensor, proposals: list[list[int]]) -> list[Verdict]:
     """Greedy verdicts of G sequences at once: logits [G, T, V] (sequence g's first len(proposals[g])
     + 1 positions its own), each proposal and argmax shown with its softmax probability, from one
-    log-sum-exp per row, over fp32 (exact for bf16)."""
+    log-sum-exp per row, over fp32 (exact for bf16). The one greedy rule on the host (every greedy
+    acceptance goes through it); `workbench.decoding.fused.accept_and_draft` is its device form."""
     logits = logits.float()
     T = logits.shape[1]
     top = logits.argmax(-1)  # [G, T]
@@ -162,14 +163,12 @@ class GreedyAcceptor:
     def verify(self, proposals, draft_probs, target_logits, params, generator, context=None) -> Verdict:
         check_proposals(proposals, target_logits.shape[-1])
         logits = adjust_rows(target_logits, params, context, proposals).float()  # fp32: exact for bf16
+        d = greedy_verdicts(logits[None], [list(proposals)])[0]
         if params.greedy:
-            return greedy_verdicts(logits[None], [list(proposals)])[0]
-        argmax = logits.argmax(-1).tolist()  # at T > 0 the verdict is greedy, the probabilities shown p's
-        shown = probs_from_logits(logits, params)
-        a = 0
-        while a < len(proposals) and proposals[a] == argmax[a]:
-            a += 1
-        return Verdict(a, argmax[a], [float(shown[i, t]) for i, t in enumerate(proposals)], float(shown[a, argmax[a]]))
+            return d
+        shown = probs_from_logits(logits, params)  # at T > 0 the verdict is greedy, the probabilities shown p's
+        a, t = d.num_accepted, d.next_token
+        return Verdict(a, t, [float(shown[i, x]) for i, x in enumerate(proposals)], float(shown[a, t]))
 
 
 def _target(target_logits, params, context, proposals) -> torch.Tensor:

@@ -272,13 +272,12 @@ class KernelEagle3Draft(Eagle3Draft):
             return torch.tensor([[d]], device=post.device), torch.tensor([[math.exp(mx[0] - lse[0])]])
         return super().greedy_pick(post)
 
-    def greedy_chain(self, input_ids: Tensor, hidden, cache: KVCache, k: int,
-                     last: Tensor | None = None, counts: list[int] | None = None,
+    def greedy_chain(self, input_ids: Tensor, hidden, cache: KVCache, k: int, counts: list[int] | None = None,
                      stop_below: float | None = None) -> tuple[Tensor, Tensor]:
-        chain = self._chain(cache.max_len) if last is None else None
+        chain = self._chain(cache.max_len)
         h = hidden[0] if isinstance(hidden, (tuple, list)) else hidden
         if chain is None or h.dtype != chain.dtype or not cpu.serves(h, rows=input_ids.shape[1]):
-            return super().greedy_chain(input_ids, hidden, cache, k, last, counts, stop_below)
+            return super().greedy_chain(input_ids, hidden, cache, k, counts, stop_below)
         B, T = input_ids.shape
         starts = cache.lengths
         cache.check_room(T + k - 1)

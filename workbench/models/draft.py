@@ -225,16 +225,15 @@ class Eagle3Draft(nn.Module):
         return (d + self.d2t[d] if hasattr(self, "d2t") else d), p
 
     def greedy_chain(self, input_ids: torch.Tensor, hidden: torch.Tensor | tuple[torch.Tensor, ...],
-                     cache: KVCache, k: int, last: torch.Tensor | None = None,
-                     counts: list[int] | None = None, stop_below: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     cache: KVCache, k: int, counts: list[int] | None = None,
+                     stop_below: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first pass plus k-1 greedy steps with no trip to the host between them.
 
         `hidden` is the fused state [B, T, H], or the verifier's aux states (a tuple), which `fc`
         then fuses here. Returns proposals [B, k] and each one's draft probability [B, k] (softmax
         of its logits). Every step reads the previous argmax as a tensor, so a traced chain is one
-        graph. The chain continues from the first pass's last row, or from row `last` (a 0-d
-        tensor: the fused step passes every verified row and continues after the accepted ones;
-        rows after `last` are left for the next first pass to overwrite).
+        graph. The chain continues from the first pass's last row (the fused step's chain, which
+        continues from a row only the device knows, is `workbench.decoding.fused.accept_and_draft`).
 
         `counts` (a batch whose sequences have different numbers of new positions, padded to T):
         sequence b's first counts[b] positions are real; its cache ends after them and its chain
@@ -244,16 +243,12 @@ class Eagle3Draft(nn.Module):
         """
         if isinstance(hidden, (tuple, list)):
             hidden = self.combine_hidden_states(hidden)
-        starts, T = cache.lengths, input_ids.shape[1]
+        starts = cache.lengths
         post, state = self.draft_pass(input_ids, hidden, cache)
         if counts is not None:
             cache.set_lengths([s + n for s, n in zip(starts, counts)])
             rows, seqs = torch.tensor(counts, device=post.device) - 1, torch.arange(len(counts), device=post.device)
             post, state = post[seqs, rows][:, None], state[seqs, rows][:, None]
-        if last is not None:
-            start = starts[0]
-            row = last.reshape(1)
-            post, state = post.index_select(1, row), state.index_select(1, row)
         tokens, probs, unsure = [], [], None
         for i in range(k):
             t, p = self.greedy_pick(post[:, -1:])
@@ -262,8 +257,6 @@ class Eagle3Draft(nn.Module):
                 unsure = (p < stop_below) if unsure is None else unsure | (p < stop_below)
                 if bool(unsure.all()):
                     break
-            if i + 1 < k and last is None:
+            if i + 1 < k:
                 post, state = self.draft_pass(t, state[:, -1:], cache)
-            elif i + 1 < k:  # at start + last + 1 + i, a position only the device knows
-                post, state = self.forward_at(t, state[:, -1:], cache, start + last + 1 + i, start + T + k - 1)
         return torch.cat(tokens, 1), torch.cat(probs, 1)
