@@ -1,12 +1,13 @@
-"""apps/chat.py: the rendering and turn logic as plain functions, the API through gradio_client,
-four users at once, and what a person sees in a real headless Chromium.
+"""apps/chat.py and apps/chat_app/: the rendering and turn logic as plain functions, two apps in one
+process with state of their own, the API through gradio_client, four users at once, and what a
+person sees in a real headless Chromium.
 
 Everything runs on the embedded pair in fp32 with short answers; with random weights nearly every
 proposal is rejected, so most steps end in a correction (the prefill token is a bonus).
 """
-import functools
 import math
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -20,12 +21,12 @@ pytest.importorskip("gradio")
 pytest.importorskip("plotly")
 
 import workbench as wb  # noqa: E402
-from workbench.analysis.degeneracy import detect_loop  # noqa: E402
-from workbench.decoding.stats import compute_stats  # noqa: E402
+from workbench import compute_stats, detect_loop  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "apps"))
 import chat  # noqa: E402
+from chat_app import render, session, ui  # noqa: E402
 
 NEW = 24  # max_new_tokens everywhere: short answers keep the file fast on a shared CPU
 LONG = 1000  # the answer the browser test stops midway: at several hundred tokens/s it must outlast the click
@@ -78,7 +79,7 @@ def _events() -> list[wb.StepEvent]:
 
 
 def test_render_tokens_escapes_markup_and_keeps_whitespace():
-    markup = chat.render_tokens(_events())
+    markup = render.render_tokens(_events())
     assert "<script>" not in markup and "&lt;script&gt;" in markup
     spans = _Spans.of(markup).spans()
     assert [t for _, t in spans] == ["<script>alert(1)</script>", "  a", "\n    x"]  # exact, whitespace kept
@@ -87,21 +88,21 @@ def test_render_tokens_escapes_markup_and_keeps_whitespace():
     titles = [a["title"] for a, _ in spans]
     assert "q (draft) = 0.9" in titles[1] and "p (verifier) = 0.8" in titles[1] and "step 1" in titles[1]
     assert "q (draft) = n/a" in titles[2] and "p (verifier) = 0.375" in titles[2]
-    answer = chat.render_answer("x < y\n  ", _events())
+    answer = render.render_answer("x < y\n  ", _events())
     assert 'class="wb-answer" style="white-space: pre-wrap"' in answer
     assert "<kbd class=\"wb-prompt\">x &lt; y\n  </kbd>" in answer
 
 
 def test_history_is_exact_escaped_text():
     history = [{"role": "user", "content": "<b>{{x}}</b>\n  ${y}"}, {"role": "assistant", "content": " a &\n\tb"}]
-    elements = _Spans.of(chat.history_html(history)).elements
+    elements = _Spans.of(render.history_html(history)).elements
     assert [("".join(t)) for tag, _, t in elements if tag == "pre"] == [m["content"] for m in history]
     assert not any(tag == "b" for tag, _, _ in elements)
 
 
 def test_rejected_spans_only_when_asked():
-    assert all(a["data-status"] != "rejected" for a, _ in _Spans.of(chat.render_tokens(_events())).spans())
-    spans = _Spans.of(chat.render_tokens(_events(), show_rejected=True)).spans()
+    assert all(a["data-status"] != "rejected" for a, _ in _Spans.of(render.render_tokens(_events())).spans())
+    spans = _Spans.of(render.render_tokens(_events(), show_rejected=True)).spans()
     # the rejected proposals proposed[num_accepted:] sit between the accepted run and the correction
     assert [(a["data-status"], t) for a, t in spans] == [
         ("bonus", "<script>alert(1)</script>"), ("accepted", "  a"), ("rejected", "\n\tb"), ("rejected", "c & d"),
@@ -130,46 +131,59 @@ CLEAN = list(range(200, 261))  # a prefill and 30 steps of 2 tokens
 
 
 def test_an_answer_that_loops_is_marked_where_the_loop_starts():
-    spans = _Spans.of(chat.render_tokens(_steps(LOOPING), show_rejected=True)).spans()
+    spans = _Spans.of(render.render_tokens(_steps(LOOPING), show_rejected=True)).spans()
     emitted = [(a, t) for a, t in spans if a["data-status"] != "rejected"]
     assert [t for _, t in emitted] == [f"<{t}>" for t in LOOPING]  # the marker adds no text
     marks = [a.get("data-loop") for a, _ in emitted]
     assert marks == [None] * 14 + ["start"] + ["in"] * 35
-    assert chat.LOOP_NOTE in emitted[14][0]["title"] and chat.LOOP_NOTE not in emitted[13][0]["title"]
+    assert render.LOOP_NOTE in emitted[14][0]["title"] and render.LOOP_NOTE not in emitted[13][0]["title"]
     assert all("data-loop" not in a for a, _ in spans if a["data-status"] == "rejected")
-    assert '.tok[data-loop="start"]::before' in chat.TOKEN_CSS
-    clean = _Spans.of(chat.render_tokens(_steps(CLEAN))).spans()
+    assert '.tok[data-loop="start"]::before' in render.TOKEN_CSS
+    clean = _Spans.of(render.render_tokens(_steps(CLEAN))).spans()
     assert all("data-loop" not in a for a, _ in clean)
 
 
 def test_stats_show_the_clean_accept_length_and_the_loops():
-    s = chat.make_settings(3, 0, 1, NEW, 0, True)
-    loop, clean = chat.Answer("a", s, _steps(LOOPING, accepted=3)), chat.Answer("b", s, _steps(CLEAN, accepted=1))
-    conv = chat.Conversation(answers=[clean, loop])
+    s = session.make_settings(3, 0, 1, NEW, 0, True)
+    loop, clean = session.Answer("a", s, _steps(LOOPING, accepted=3)), session.Answer("b", s, _steps(CLEAN, accepted=1))
+    conv = session.Conversation(answers=[clean, loop])
     pooled = compute_stats(loop.events + clean.events).accept_length
     row = (f"<td>accept length (bonus incl.)</td><td>{compute_stats(loop.events).accept_length:.2f} "
            f"(clean n/a, every continuation loops, 1 of 1 loop)</td><td>{pooled:.2f} (clean 2.00, 1 of 2 loop)</td>")
-    assert row in chat.stats_html(conv, loop)
+    assert row in render.stats_html(conv, loop)
 
 
 @pytest.fixture(scope="module")
-def pair():
-    """The app's own shared pair (the embedded one in fp32), so the app and the tests load it once."""
-    return chat.get_pair(chat.PairSpec())
+def app():
+    """The chat app every test here drives (the embedded pair in fp32, loaded as the app loads it),
+    so the app and the tests load the pair once."""
+    app = session.ChatApp(session.PairSpec(), session.Settings(k=2, max_new_tokens=NEW), max_concurrency=4)
+    yield app
+    app.close()
 
 
-@functools.lru_cache(maxsize=None)
-def _library(prompt: str, k: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+@pytest.fixture(scope="module")
+def pair(app):
+    return app.pair()
+
+
+_REFERENCES: dict[tuple, wb.GenerationResult] = {}
+
+
+def _library(pair: wb.ModelPair, prompt: str, k: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              acceptor: str | None = None) -> wb.GenerationResult:
     """What `workbench generate --json --heal --k K --seed S` returns for `prompt` (computed once per file):
     the chat heals prompts by default."""
-    dec = wb.SpecDecoder(chat.get_pair(chat.PairSpec()), k, temperature, top_p, seed=seed, acceptor=acceptor)
-    return dec.generate(prompt, NEW, heal=True)
+    key = (id(pair), prompt, k, temperature, top_p, seed, acceptor)
+    if key not in _REFERENCES:
+        dec = wb.SpecDecoder(pair, k, temperature, top_p, seed=seed, acceptor=acceptor)
+        _REFERENCES[key] = dec.generate(prompt, NEW, heal=True)
+    return _REFERENCES[key]
 
 
 def test_real_stream_renders_every_emitted_token(pair):
-    res = _library(PROMPT, 3)
-    spans = _Spans.of(chat.render_tokens(res.events, show_rejected=True)).spans()
+    res = _library(pair, PROMPT, 3)
+    spans = _Spans.of(render.render_tokens(res.events, show_rejected=True)).spans()
     shown = [(a["data-status"], int(a["data-step"]), t) for a, t in spans if a["data-status"] != "rejected"]
     expected = [(s, e.step, t) for e in res.events for s, t in zip(e.emitted_status, e.emitted_text)]
     assert shown == expected
@@ -181,10 +195,10 @@ def test_real_stream_renders_every_emitted_token(pair):
 def test_stats_figures_show_the_library_numbers(pair):
     events = wb.SpecDecoder(pair, 4, proposer="ngram").generate("a = 1\nb = 1\na = 1\nb = 1\na =", NEW).events
     s = compute_stats(events)
-    bars, hist = chat.stats_figures(events)
+    bars, hist = render.stats_figures(events)
     assert list(bars.data[0].y) == s.per_position_acceptance and list(bars.data[1].y) == s.conditional_acceptance
     assert list(hist.data[0].y) == s.accepted_length_histogram and sum(hist.data[0].y) == s.num_drafts
-    empty_bars, _ = chat.stats_figures([])
+    empty_bars, _ = render.stats_figures([])
     assert len(empty_bars.data[0].y) == 0 and empty_bars.layout.annotations  # "no speculative steps yet"
 
 
@@ -195,15 +209,15 @@ def test_stats_figures_show_the_library_numbers(pair):
     ((2, 0, 1, 10, -3), "seed")])
 def test_bad_settings_name_the_field(args, field):
     with pytest.raises(wb.RequestError, match=field):
-        chat.make_settings(*args)
+        session.make_settings(*args)
 
 
-def test_the_acceptance_rule_is_chosen_and_named(pair):
+def test_the_acceptance_rule_is_chosen_and_named(app, pair):
     with pytest.raises(wb.RequestError, match="acceptor = 'typical'; expected one of auto, rejection, block"):
-        chat.make_settings(2, 0.8, 1, 8, 0, acceptor="typical")
-    conv = chat.Conversation(history=[{"role": "user", "content": "x = ["}])
-    s = chat.make_settings(2, 0.8, 1, 8, 3, acceptor="block")
-    answer = list(chat.run_turn(pair, conv, s))[-1]
+        session.make_settings(2, 0.8, 1, 8, 0, acceptor="typical")
+    conv = session.Conversation(history=[{"role": "user", "content": "x = ["}])
+    s = session.make_settings(2, 0.8, 1, 8, 3, acceptor="block")
+    answer = list(app.run_turn(conv, s))[-1]
     ref = wb.SpecDecoder(pair, 2, 0.8, 1.0, seed=3, acceptor="block").generate("x = [", 8, heal=True)
     assert answer.rule == ref.acceptance_rule == "block (greedy draft, one-hot q)" and answer.text == ref.text
 
@@ -221,37 +235,37 @@ class _FixedRates:
         return SimpleNamespace(median=self.rates[a] / self.rates[b])
 
 
-def test_turns_race_and_conversation_stats(pair):
-    conv = chat.Conversation(history=[{"role": "user", "content": PROMPT}])
-    s = chat.make_settings(3.0, 0, 1, NEW, 0, True)
-    phases = [(a.phase, len(a.events)) for a in chat.run_turn(pair, conv, s, race=True)]
+def test_turns_race_and_conversation_stats(app, pair):
+    conv = session.Conversation(history=[{"role": "user", "content": PROMPT}])
+    s = session.make_settings(3.0, 0, 1, NEW, 0, True)
+    phases = [(a.phase, len(a.events)) for a in app.run_turn(conv, s, race=True)]
     answer = conv.answers[-1]
     assert [n for _, n in phases[:-2]] == list(range(1, len(answer.events) + 1))  # one update per step
     assert [p for p, _ in phases] == ["speculative"] * len(answer.events) + ["baseline", "done"]
-    assert answer.text == _library(PROMPT, 3).text == conv.history[-1]["content"]
+    assert answer.text == _library(pair, PROMPT, 3).text == conv.history[-1]["content"]
     assert answer.baseline_text == wb.generate_autoregressive(pair, PROMPT, NEW, heal=True).text
     race = answer.race  # both ways timed back to back under the sweep's protocol
     assert race.results["speculative"][0][0].text == answer.text and race.rate("autoregressive").median > 0
-    assert "decode: speculative" in chat.race_html(answer)
-    verdict = _Spans.of(chat.race_html(answer)).spans()[0]
+    assert "decode: speculative" in render.race_html(answer)
+    verdict = _Spans.of(render.race_html(answer)).spans()[0]
     assert verdict[0]["id"] == "race-verdict" and verdict[1] == "identical"  # greedy is lossless
     accept = wb.compute_stats(answer.events).accept_length
     for spec_rate, flagged in ((100 * (accept + 0.5), True), (100 * max(1.0, accept - 0.5), False)):
         answer.race = _FixedRates(spec_rate, 100.0)  # a busy machine's pair of timings, then a sane one
-        assert ('id="race-noise"' in chat.race_html(answer)) is flagged
+        assert ('id="race-noise"' in render.race_html(answer)) is flagged
     conv.history.append({"role": "user", "content": "x = ["})
-    off = list(chat.run_turn(pair, conv, chat.make_settings(3, 0, 1, 8, 0, False)))[-1]
+    off = list(app.run_turn(conv, session.make_settings(3, 0, 1, 8, 0, False)))[-1]
     assert off.text == wb.generate_autoregressive(pair, "x = [", 8, heal=True).text
     spec_steps = [e for e in answer.events if e.kind == "spec"]
     assert conv.spec_events() == answer.events and conv.autoregressive_events() == answer.baseline + off.events
-    table = chat.stats_html(conv, off)
+    table = render.stats_html(conv, off)
     assert f"<td>speculative steps</td><td>0</td><td>{len(spec_steps)}</td>" in table
 
 
-def test_errors_leave_the_conversation_unchanged(pair):
-    conv = chat.Conversation(history=[{"role": "user", "content": " ".join(map(str, range(3000)))}])  # > 2048 tokens
+def test_errors_leave_the_conversation_unchanged(app, pair):
+    conv = session.Conversation(history=[{"role": "user", "content": " ".join(map(str, range(3000)))}])  # > 2048 tokens
     with pytest.raises(wb.RequestError, match="context"):
-        list(chat.run_turn(pair, conv, chat.Settings(k=2, max_new_tokens=4)))
+        list(app.run_turn(conv, session.Settings(k=2, max_new_tokens=4)))
     assert conv.answers == [] and len(conv.history) == 1
 
 
@@ -271,6 +285,49 @@ def test_the_chat_is_private_unless_asked():
         chat.parse_args(["--max-concurrency", "0"])
 
 
+def _control(demo, label: str):
+    return next(b for b in demo.blocks.values() if getattr(b, "label", None) == label)
+
+
+def _endpoint(demo, name: str):
+    return next(f.fn for f in demo.fns.values() if f.api_name == name)
+
+
+def test_two_apps_in_one_process_keep_their_own_state(app, pair, embedded_pair):
+    """Each demo owns the `ChatApp` it was built from: its pair, its engine, its defaults. Two in one
+    process, with different pairs and settings, answer from their own, and no module global changes."""
+    modules = [chat, session, render, ui]
+    before = [dict(vars(m)) for m in modules]
+    first = session.ChatApp(session.PairSpec(), session.Settings(k=5, temperature=0.5, seed=9), max_concurrency=2)
+    second = session.ChatApp(defaults=session.Settings(use_draft=False, max_new_tokens=7), pair=embedded_pair)
+    try:
+        demos = ui.build_demo(first), ui.build_demo(second)
+        assert [_control(d, "num_speculative_tokens (k)").value for d in demos] == [5, 3]
+        assert [_control(d, "seed").value for d in demos] == [9, 0]
+        assert [_control(d, "draft on").value for d in demos] == [True, False]
+        text, info = _endpoint(demos[1], "generate")(PROMPT, 2, max_new_tokens=NEW)
+        assert text == _library(embedded_pair, PROMPT, 2).text and info["k"] == 2
+        assert second.pair() is embedded_pair and first.pair() not in (embedded_pair, pair)  # loaded from its spec
+        assert second.server().batch_sizes and not first.server().batch_sizes  # one engine each, only one used
+        assert first.server() is not second.server() and app.server() not in (first.server(), second.server())
+        assert first.max_concurrency == 2 and second.max_concurrency == app.max_concurrency == 4
+    finally:
+        first.close()
+        second.close()
+    for m, old in zip(modules, before):
+        now = vars(m)
+        assert now.keys() == old.keys() and all(now[k] is old[k] for k in old), m.__name__
+
+
+def test_the_turn_logic_imports_without_gradio():
+    """`chat_app.session` (settings, pair, conversation, turn, race) is plain Python over workbench."""
+    code = ("import sys; import chat_app.session; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('gradio', 'plotly', 'chat_app')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO / "apps", capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['chat_app',", "'chat_app.session']"]
+
+
 # ---- the running app -------------------------------------------------------------------------
 
 
@@ -281,9 +338,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def app_url(pair):
-    demo = chat.build_demo(chat.PairSpec(), defaults=chat.Settings(k=2, max_new_tokens=NEW))
-    url = chat.launch(demo, host="127.0.0.1", port=_free_port(), max_concurrency=4, block=False)
+def app_url(app):
+    demo = ui.build_demo(app)
+    url = ui.launch(demo, host="127.0.0.1", port=_free_port(), block=False)
     yield url
     demo.close()
 
@@ -301,7 +358,7 @@ def test_api_matches_the_library(app_url, pair):
                                                   (2, 0.9, 0.95, 7, "block")]:
         text, info = client.predict(PROMPT, k, temperature, top_p, NEW, seed, True, True, acceptor,
                                     api_name="/generate")
-        ref = _library(PROMPT, k, temperature, top_p, seed, None if acceptor == "auto" else acceptor)
+        ref = _library(pair, PROMPT, k, temperature, top_p, seed, None if acceptor == "auto" else acceptor)
         assert text == ref.text and info["k"] == k and info["num_tokens"] == len(ref.tokens)
         assert info["stats"]["num_draft_tokens"] == ref.stats.num_draft_tokens
         assert info["acceptance_rule"] == ref.acceptance_rule
@@ -409,7 +466,7 @@ def _error_is_shown(page) -> None:
 
 
 @pytest.mark.browser
-def test_browser_streams_colours_and_matches_generate(app_url, pair):
+def test_browser_streams_colours_and_matches_generate(app_url, app, pair):
     """What a person sees: streaming, Stop, an error, colours, exact text, a race verdict; a screenshot."""
     if not CHROMIUM.exists():
         pytest.skip("no /usr/bin/chromium on this machine")
@@ -422,7 +479,7 @@ def test_browser_streams_colours_and_matches_generate(app_url, pair):
         page.set_default_timeout(120_000)  # a loaded shared CPU can take a while to start Gradio's frontend
         page.goto(app_url)
         page.wait_for_selector("#prompt textarea")
-        _stream_then_stop(page, chat.server_for(pair))
+        _stream_then_stop(page, app.server())
         _error_is_shown(page)
         statuses: set[str] = set()
         for i, prompt in enumerate(prompts):
@@ -431,7 +488,7 @@ def test_browser_streams_colours_and_matches_generate(app_url, pair):
                 page.locator("#race-mode input").check()
             _answer(page, prompt, answers_before=1 + i)  # the stopped answer stays in the conversation
             assert "acceptance: greedy" in page.locator("#run-state").text_content()  # the run names its rule
-            ref = _library(prompt, 2)
+            ref = _library(pair, prompt, 2)
             assert page.locator("#answer-text textarea").input_value() == ref.text
             assert page.locator("#tokens kbd").text_content() == prompt  # markup shown as text, never executed
             assert page.locator("#tokens b").count() == 0 and page.locator("#history b").count() == 0

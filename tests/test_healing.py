@@ -87,10 +87,14 @@ def test_the_cli_heals_when_asked():
 
 def test_the_chat_heals(embedded_pair):
     sys.path.insert(0, str(REPO / "apps"))
-    import chat
+    from chat_app.session import ChatApp, Conversation, Settings
 
-    for ending in ENDINGS[:2]:
-        conv = chat.Conversation(history=[{"role": "user", "content": BODIES[0] + ending}])
-        answer = list(chat.run_turn(embedded_pair, conv, chat.Settings(max_new_tokens=32), race=True))[-1]
-        assert answer.settings.heal and answer.text.strip() and answer.text == answer.baseline_text
-        assert keeps_indentation(BODIES[0] + ending, answer.text), answer.text
+    app = ChatApp(pair=embedded_pair)
+    try:
+        for ending in ENDINGS[:2]:
+            conv = Conversation(history=[{"role": "user", "content": BODIES[0] + ending}])
+            answer = list(app.run_turn(conv, Settings(max_new_tokens=32), race=True))[-1]
+            assert answer.settings.heal and answer.text.strip() and answer.text == answer.baseline_text
+            assert keeps_indentation(BODIES[0] + ending, answer.text), answer.text
+    finally:
+        app.close()

@@ -337,11 +337,7 @@ def moe_twins(moe) -> dict:
     from workbench.compiled import GatheredMoE
     from workbench.kernels import cpu
     from workbench.kernels.cpu_modules import KernelMoE
-    from workbench.variants import shallow_copy
-
-    gathered = shallow_copy(moe)
-    gathered.__class__ = GatheredMoE
-    twins = {"plain": moe, "gathered": gathered}
+    twins = {"plain": moe, "gathered": GatheredMoE(moe)}
     if cpu.available():
         twins["kernels"] = KernelMoE.of(moe)
     return twins

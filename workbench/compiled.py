@@ -15,6 +15,9 @@ A guard on T = 1 anywhere in the graph would break it silently, as a second grap
 the tests count graphs for that reason. Measurements: docs/PERFORMANCE.md.
 
 Weights become constants of the graphs: after a weight changes, compile the plain model again.
+Nothing of torch's is replaced and no module is re-classed (the twins are new instances over the
+models' tensors); the price is that inductor's on-disk cache refuses graphs holding frozen
+oneDNN-packed weights, so each process compiles those again (docs/PERFORMANCE.md, issue 40).
 """
 from __future__ import annotations
 
@@ -29,11 +32,11 @@ import types
 
 import torch
 import torch.fx.experimental._config as fx_config
-from torch import Tensor
+from torch import Tensor, nn
 
 from workbench.models.mla import ABSORB_MAX_TOKENS, LatentAttention
 from workbench.models.moe import MoE
-from workbench.variants import copy_modules, shallow_copy
+from workbench.variants import copy_modules
 
 __all__ = ["CompiledForward", "compile_function", "compile_models", "gemm_backends", "is_compiled", "weights_digest"]
 
@@ -126,44 +129,8 @@ def _graph_cache_key(digest: str):
     return WeightsKey()
 
 
-def _cacheable_onednn_weights() -> None:
-    """The one patch of inductor internals: its on-disk graph cache refuses graphs holding frozen
-    oneDNN-packed weights, so a second process compiled everything again (measured: 287 s against
-    68 s for the embedded pair's warm-up). With freezing the cache stores only such a weight's
-    name, so our compiles (`_inside.active`, whose keys carry the weights' digest) key it by shape
-    and dtype. On a torch without these internals nothing changes."""
-    try:
-        from torch._inductor import codecache
-        from torch._inductor.freezing_utils import is_frozen_param
-
-        validator, pickler, ident = codecache.CacheabilityValidator, codecache.FxGraphCachePickler, codecache._ident
-        check, reduce = validator.check_tensor, pickler._reduce_tensor
-    except (ImportError, AttributeError):
-        return
-    if getattr(check, "workbench", False):
-        return
-
-    def ours(t: torch.Tensor) -> bool:
-        return getattr(_inside, "active", False) and t.is_mkldnn and is_frozen_param(t)
-
-    def check_tensor(t: torch.Tensor) -> None:
-        if not ours(t):
-            check(t)
-
-    def reduce_tensor(self, t: torch.Tensor):
-        if ours(t):
-            return ident, (("frozen oneDNN weight", tuple(t.shape), str(t.dtype)),)
-        return reduce(self, t)
-
-    check_tensor.workbench = True
-    validator.check_tensor = staticmethod(check_tensor)
-    pickler._reduce_tensor = reduce_tensor
-
-
 def _register_callbacks() -> None:
     from torch._dynamo.callback import callback_handler
-
-    _cacheable_onednn_weights()
 
     if _on_compile_start not in callback_handler.start_callbacks:
         callback_handler.register_start_callback(_on_compile_start)
@@ -312,13 +279,21 @@ class RowInvariantLatentAttention(LatentAttention):
         return (o_lat.float()[:, :, :, None, :] * w_uv.float()).sum(-1).to(o_lat.dtype).reshape(B, T, -1)
 
 
-class GatheredMoE(MoE):
-    """The chosen experts' weights gathered for a few tokens inside a compiled graph, stacked from
-    the parameters there (freezing folds the stack into constants); eager, the models' own loop."""
+class GatheredMoE(nn.Module):
+    """A `MoE`'s twin over the MoE's own gate and experts (the same tensors, under the same names):
+    the chosen experts' weights gathered for a few tokens inside a compiled graph, stacked from the
+    parameters there (freezing folds the stack into constants); eager, the models' own loop."""
+
+    def __init__(self, moe: MoE) -> None:
+        super().__init__()
+        self.gate, self.experts, self.shared_experts = moe.gate, moe.experts, moe.shared_experts
+        self.train(moe.training)
+
+    forward = MoE.forward  # the model's own: routing, then `routed_experts` below, then the shared experts
 
     def routed_experts(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         if not torch.compiler.is_compiling() or x.shape[0] > 32:
-            return super().routed_experts(x, weights, ids)
+            return MoE.routed_experts(self, x, weights, ids)
         gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
         down = torch.stack([e.down_proj.weight for e in self.experts])
         n, k = ids.shape
@@ -328,13 +303,13 @@ class GatheredMoE(MoE):
         return (y.view(n, k, -1) * weights[:, :, None].to(x.dtype)).sum(1)
 
 
-def _compile_twin(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
-    twin = {LatentAttention: RowInvariantLatentAttention, MoE: GatheredMoE}.get(type(module))
-    if twin is None:
-        return None
-    new = shallow_copy(module)
-    new.__class__ = twin
-    return new
+def _compile_twin(module: nn.Module, name: str) -> nn.Module | None:
+    """The compiled copy's stand-in for `module`, a new instance of its twin over the same tensors."""
+    if type(module) is LatentAttention:  # no weights of its own: they come in as arguments
+        return RowInvariantLatentAttention().train(module.training)
+    if type(module) is MoE:
+        return GatheredMoE(module)
+    return None
 
 
 def compile_models(*models: torch.nn.Module, memo: dict | None = None) -> tuple[torch.nn.Module, ...]:

@@ -1,0 +1,2 @@
+"""The Gradio chat, split by concern (`apps/chat.py` is its entry point): `session` (no Gradio),
+`render`, `ui`."""
