@@ -49,6 +49,14 @@ def test_compiled_tokens_equal_eager_and_lossless(pairs):
     assert compiled.verifier.forward.calls["compiled"] > 0 and compiled.draft.greedy_chain.calls["compiled"] > 0
 
 
+def test_a_batch_of_different_lengths_decodes_on_a_compiled_pair(pairs):
+    """Rows of different lengths (the batched engine, the chat's server) run on a compiled pair: the
+    forwards whose rows differ in length go eager, and each row's tokens are its plain decoding's."""
+    eager, compiled = pairs
+    out = wb.BatchDecoder(compiled, 3, max_batch_size=2).generate_many(PROMPTS, max_new_tokens=16)
+    assert [r.tokens for r in out] == [wb.generate_autoregressive(eager, p, 16).tokens for p in PROMPTS]
+
+
 def test_compiled_graphs_do_not_grow_with_length(pairs):
     _, compiled = pairs
     dec = wb.SpecDecoder(compiled, 3)

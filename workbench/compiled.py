@@ -155,8 +155,9 @@ class CompiledForward:
 
     def usable(self, args: dict) -> bool:
         # A cache holding fewer than 2 tokens is a prefill (or the step after a 1-token prompt): eager.
+        # So are rows of different lengths (a batch): the graphs take one length for every row.
         cache = args.get("cache")
-        return (cache is not None and cache.length >= 2 and args["input_ids"].shape[1] <= ABSORB_MAX_TOKENS
+        return (cache is not None and cache.uniform and cache.length >= 2 and args["input_ids"].shape[1] <= ABSORB_MAX_TOKENS
                 and args.get("path", "auto") != "naive" and not torch.is_grad_enabled())
 
     def __call__(self, *args, **kwargs):
