@@ -105,6 +105,11 @@ def test_a_resumed_run_equals_one_that_never_stopped(tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert straight["eval_bpb_bf16_weights"] == resumed["eval_bpb_bf16_weights"]
     assert (tmp_path / "a" / "final" / "tokenizer.json").is_file()
+    # A warm restart from the committed weights continues the run's record: every segment is listed.
+    warm = pretrain(_args(tmp_path / "c", corpus, max_steps=2, init=tmp_path / "b" / "final"), log=lambda s: None)
+    assert [s["mode"] for s in warm["segments"]] == ["scratch", "resume", "warm restart"]
+    assert warm["segments"][-1]["init"] == str(tmp_path / "b" / "final")
+    assert warm["tokens_seen"] == sum(s["tokens"] for s in resumed["segments"]) + 2 * 2 * 64
 
 
 def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_over_bytes():

@@ -171,6 +171,11 @@ def pretrain(args: PretrainArgs, log=print) -> dict:
         state = RunState(**json.loads((ckpt / "state.json").read_text()))
     elif args.init is not None:
         model = load_verifier(args.init, dtype=torch.float32)
+        # The weights' own record (beside them, or in their run folder): a warm restart continues it,
+        # so a run spanning sittings lists every segment.
+        logs = [Path(args.init) / "pretrain_log.json", Path(args.init).parent / "pretrain_log.json"]
+        earlier = next((json.loads(f.read_text()) for f in logs if f.is_file()), {})
+        state.segments, state.history = list(earlier.get("segments", [])), list(earlier.get("history", []))
     else:
         cfg = tiny_kimi_config(vocab_size=tokenizer.get_vocab_size())
         model = Verifier(cfg)
@@ -197,6 +202,7 @@ def pretrain(args: PretrainArgs, log=print) -> dict:
     start = last_save = time.time()
     segment = {"start_step": first, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "mode": "resume" if args.resume else ("warm restart" if args.init else "scratch"),
+               **({"init": str(args.init)} if args.init else {}),
                "threads": torch.get_num_threads(), "cpu": _cpu_name(), "batch": args.batch, "seq": args.seq,
                "lr": args.lr, "bf16": args.bf16}
     while step < total:
@@ -224,7 +230,8 @@ def pretrain(args: PretrainArgs, log=print) -> dict:
                 f"{done * args.batch * args.seq / elapsed:.0f} tok/s {elapsed:.0f}s")
         if step % args.eval_every == 0 or step == total:
             bpb = bits_per_byte(lambda ids: view(ids), windows, byte_len)
-            state.history.append({"step": step, "train_loss": loss.item(), "eval_bpb": bpb, "seconds": elapsed})
+            state.history.append({"step": step, "train_loss": loss.item(), "eval_bpb": bpb, "seconds": elapsed,
+                                  "segment": len(state.segments)})
             log(f"eval bits/byte {json.dumps(bpb)}")
         if time.time() - last_save > args.save_every_minutes * 60 or step == total:
             state.step, state.total = step, total
