@@ -402,3 +402,33 @@ def test_sampled_speculative_decoding_matches_plain_sampling(peaked_pair):
     assert tv(spec2, plain2) < null_tv_max(p2, n_oracle, n_ar)
     # The same seed gives the same first token: the prefill samples exactly as plain decoding does.
     assert [a for a, _ in runs["eagle draft"]] == [a for a, _ in runs["plain"][:n_eagle]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_verdicts_read_the_same_with_the_cpu_kernels_and_flag_broken_rows(dtype):
+    from workbench.decoding.sampling import greedy_verdicts
+    from workbench.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip(f"CPU kernels: {cpu.status()}")
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 4, 300, generator=g) * 3).to(dtype)
+    top = logits.float().argmax(-1)
+    props = [top[0, :3].tolist(),                  # all accepted: the bonus
+             [int(top[1, 0]), (int(top[1, 1]) + 1) % 300],  # one accepted, then a correction
+             [],                                   # a plain decode: only position 0 is its own
+             top[3, :2].tolist(), top[4, :3].tolist()]
+    logits[2, 1:] = float("nan")  # past row 2's own position: ignored
+    logits[3, 1, 7] = float("inf")  # inside row 3's own positions: broken
+    logits[4, 3] = float("-inf")  # a row with no finite value: broken
+    by_torch, by_kernels = greedy_verdicts(logits, props), greedy_verdicts(logits, props, kernels=True)
+    assert [d is None for d in by_torch] == [False, False, False, True, True]
+    assert [d is None for d in by_kernels] == [False, False, False, True, True]
+    assert [(d.num_accepted, d.next_token) for d in by_torch[:3]] == [(3, int(top[0, 3])), (1, int(top[1, 1])),
+                                                                      (0, int(top[2, 0]))]
+    for a, b in zip(by_torch[:3], by_kernels[:3]):
+        assert (a.num_accepted, a.next_token) == (b.num_accepted, b.next_token)
+        assert a.verifier_probs == pytest.approx(b.verifier_probs, rel=1e-5)
+        assert a.next_token_prob == pytest.approx(b.next_token_prob, rel=1e-5)
+    soft = logits[0].float().softmax(-1)
+    assert by_torch[0].verifier_probs == pytest.approx([float(soft[i, t]) for i, t in enumerate(props[0])], rel=1e-5)

@@ -281,26 +281,41 @@ class BatchDecoder:
             except ValueError as e:  # SamplingError: unusable logits
                 self._finish(rows[0], "error", e)
                 return [None]
-        finite = torch.isfinite(logits.amax(-1)).tolist()  # [B][T]: check_finite's test, every row in one op
         verdicts: list[Verdict | None] = [None] * len(rows)
         plain = [b for b, r in enumerate(rows) if isinstance(r.acceptor, GreedyAcceptor) and r.params.greedy
                  and r.params.plain]
-        if plain:  # the plain greedy rows' argmaxes and probabilities in a few tensor ops
-            for b, d in zip(plain, greedy_verdicts(logits[plain], [props[b].tokens for b in plain])):
+        broken = set()  # rows whose own logits are not all finite
+        if plain:  # the plain greedy rows' verdicts in a few tensor ops (or one kernel pass), finiteness with them
+            own = logits if len(plain) == len(rows) else logits[plain]
+            for b, d in zip(plain, greedy_verdicts(own, [props[b].tokens for b in plain], self._kernels(own))):
                 verdicts[b] = d
+                if d is None:
+                    broken.add(b)
+        others = [b for b in range(len(rows)) if b not in plain]
+        if others:  # check_finite's test for every other row in one op
+            for b, f in zip(others, torch.isfinite(logits[others].amax(-1)).tolist()):
+                if not all(f[:len(props[b].tokens) + 1]):
+                    broken.add(b)
         for b, (r, p) in enumerate(zip(rows, props)):
-            k = len(p.tokens)
             try:
-                if not all(finite[b][:k + 1]):
+                if b in broken:
                     raise nonfinite_error(self._where(r))
                 if verdicts[b] is None:
                     context = Context(r.verified[:r.prompt_len], r.verified[r.prompt_len:])
-                    verdicts[b] = r.acceptor.verify(p.tokens, p.draft_probs, logits[b, :k + 1], r.params, r.generator,
-                                                    context)
+                    verdicts[b] = r.acceptor.verify(p.tokens, p.draft_probs, logits[b, :len(p.tokens) + 1], r.params,
+                                                    r.generator, context)
             except ValueError as e:  # SamplingError: unusable logits or settings
                 verdicts[b] = None
                 self._finish(r, "error", e)
         return verdicts
+
+    def _kernels(self, logits: torch.Tensor) -> bool:
+        """Whether greedy acceptance reads its row statistics with the CPU kernels: where the pair runs on them."""
+        if self.pair.path.name != "cpu":
+            return False
+        from workbench.kernels import cpu
+
+        return cpu.serves(logits)
 
     @staticmethod
     def _where(r: _Row) -> str:

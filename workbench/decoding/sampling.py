@@ -20,6 +20,7 @@ not lossless and its `name` says so.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -134,24 +135,39 @@ def check_proposals(proposals: list[int], vocab: int) -> None:
         raise SamplingError(f"proposal ids {bad}: out of the vocabulary; expected ids in [0, {vocab - 1}]")
 
 
-def greedy_verdicts(logits: torch.Tensor, proposals: list[list[int]]) -> list[Verdict]:
+def greedy_verdicts(logits: torch.Tensor, proposals: list[list[int]], kernels: bool = False) -> list[Verdict | None]:
     """Greedy verdicts of G sequences at once: logits [G, T, V] (sequence g's first len(proposals[g])
     + 1 positions its own), each proposal and argmax shown with its softmax probability, from one
-    log-sum-exp per row, over fp32 (exact for bf16). The one greedy rule on the host (every greedy
-    acceptance goes through it); `workbench.decoding.fused.accept_and_draft` is its device form."""
-    logits = logits.float()
-    T = logits.shape[1]
-    top = logits.argmax(-1)  # [G, T]
-    lse = logits.logsumexp(-1)
+    log-sum-exp per row, over fp32 (exact for bf16); None for a sequence whose own logits are not all
+    finite (a NaN, +inf or a row of -inf make the log-sum-exp so: check_finite's test, for free).
+    The one greedy rule on the host (every greedy acceptance goes through it); `kernels` reads the
+    rows' max, argmax and log-sum-exp in one pass of the CPU kernels (its log-sum-exp rounds
+    differently in the last bits; the tokens are the same). `workbench.decoding.fused.accept_and_draft`
+    is its device form."""
+    G, T, V = logits.shape
     chosen = torch.tensor([p + [0] * (T - len(p)) for p in proposals], device=logits.device)
-    p_prop = (logits.gather(-1, chosen[..., None])[..., 0] - lse).exp().tolist()
-    p_top = (logits.gather(-1, top[..., None])[..., 0] - lse).exp().tolist()
-    out = []
-    for p, t, pp, pt in zip(proposals, top.tolist(), p_prop, p_top):
+    at_prop = logits.gather(-1, chosen[..., None])[..., 0].float().tolist() if any(proposals) else [[]] * G
+    if kernels:
+        from workbench.kernels import cpu  # below decoding; loaded only where the pair runs on it
+
+        mx, arg, lse = cpu.row_stats(logits.reshape(G * T, V))
+        top = [arg[g * T:(g + 1) * T] for g in range(G)]
+        at_top = [mx[g * T:(g + 1) * T] for g in range(G)]
+        lse = [lse[g * T:(g + 1) * T] for g in range(G)]
+    else:
+        logits = logits.float()
+        top_t = logits.argmax(-1)  # [G, T]
+        lse = logits.logsumexp(-1).tolist()
+        top, at_top = top_t.tolist(), logits.gather(-1, top_t[..., None])[..., 0].tolist()
+    out: list[Verdict | None] = []
+    for p, t, xp, xt, z in zip(proposals, top, at_prop, at_top, lse):
+        if not all(math.isfinite(v) for v in z[:len(p) + 1]):
+            out.append(None)
+            continue
         a = 0
         while a < len(p) and p[a] == t[a]:
             a += 1
-        out.append(Verdict(a, t[a], pp[:len(p)], pt[a]))
+        out.append(Verdict(a, t[a], [math.exp(x - l) for x, l in zip(xp[:len(p)], z)], math.exp(xt[a] - z[a])))
     return out
 
 
@@ -164,6 +180,8 @@ class GreedyAcceptor:
         check_proposals(proposals, target_logits.shape[-1])
         logits = adjust_rows(target_logits, params, context, proposals).float()  # fp32: exact for bf16
         d = greedy_verdicts(logits[None], [list(proposals)])[0]
+        if d is None:
+            raise nonfinite_error("greedy acceptance: verifier logits")
         if params.greedy:
             return d
         shown = probs_from_logits(logits, params)  # at T > 0 the verdict is greedy, the probabilities shown p's
