@@ -458,7 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time a step's parts alone (decode, verify, drafting, the step, verify then "
                         "drafting back to back), N calls each")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch's intra-op threads for both methods (default: torch's own choice)")
+                   help="torch's intra-op threads for both methods, which the CPU kernels follow "
+                        "(default: torch's own choice)")
     p.add_argument("--heal", action="store_true",
                    help="heal each prompt's last token in both methods (as the chat does), for prompts that end "
                         "mid-token or in whitespace")

@@ -30,6 +30,10 @@ class FastPath:
 
     def describe(self) -> str:
         what = {"cpu": "CPU kernels", "compile": "torch.compile", "off": "plain PyTorch"}[self.name]
+        if self.name == "cpu":  # the count now: it follows torch's and cpu.set_threads
+            from workbench.kernels import cpu
+
+            what += f" on {cpu.threads_text()}"
         return f"{what}, attention {self.attention}: {self.why}"
 
 
@@ -54,9 +58,9 @@ def choose(fast: str, device: torch.device | str, dtype: torch.dtype, attention:
         if not usable or not cpu.available():
             why = cpu.status() if usable else f"they take fp32 or bf16 on the CPU, not {dtype} on {device}"
             raise RuntimeError(f"fast = 'cpu': the CPU kernels cannot run these models: {why}")
-        return FastPath("cpu", "torch", f"asked for; {cpu.status()}")
+        return FastPath("cpu", "torch", f"asked for; {cpu.status(with_threads=False)}")
     if usable and cpu.available():
-        return FastPath("cpu", "torch", f"auto: {cpu.status()}")
+        return FastPath("cpu", "torch", f"auto: {cpu.status(with_threads=False)}")
     why = cpu.status() if usable else f"the CPU kernels take fp32 or bf16 on the CPU, not {dtype} on {device}"
     return FastPath("off", "torch", f"auto: {why}")
 

@@ -384,12 +384,17 @@ def prompt_check(pair, prompts: Sequence[str]) -> Check:
         Check("prompts", "ok", f"none of the {len(prompts)} prompts looks random")
 
 
+def path_check(pair) -> Check:
+    """Which path runs the models (the CPU kernels' library and threads, torch.compile, plain)."""
+    return Check("fast path", "info", pair.status())
+
+
 def diagnose(pair, prompts: Sequence[str], k: int = 3, max_new_tokens: int = 32, attention: str = "auto",
              progress=None) -> DoctorReport:
     """Static checks plus greedy accept length of the configured pairing and each alternative."""
     if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise ValueError("diagnose: argument 'prompts'; expected a non-empty list of non-empty strings")
-    checks = static_checks(pair) + [prompt_check(pair, prompts)]
+    checks = static_checks(pair) + [prompt_check(pair, prompts), path_check(pair)]
     configured = Probe("configured", "the pairing as loaded")
     if pair.draft is None or any(c.status == "fail" and c.name in ("fc input width", "hidden sizes", "vocab")
                                  for c in checks):

@@ -2,16 +2,22 @@
 
 At the embedded pair's size an eager step is hundreds of tiny operations whose calls cost more
 than their arithmetic (docs/PERFORMANCE.md). `cpu_kernels.cpp` does each piece of a layer in one
-call over weights packed once: a linear that streams its
-packed weights for up to four rows at a time, RMSNorm, absorbed-MLA attention over one
-sequence's cache rows, the MoE routing and SwiGLU. Each output row is computed alone and in the
-same order however many rows a call has, so a verify rounds every row as a decode does.
+call over weights packed once: a linear that streams its packed weights for up to four rows at a
+time, RMSNorm, absorbed-MLA attention over one sequence's cache rows, the MoE routing and SwiGLU.
+Each output row is computed alone and in the same order however many rows a call has, so a
+verify rounds every row as a decode does.
+
+A call large enough to pay for it is split over a pool of threads that the library starts once
+and reuses (idle workers sleep): a linear's output columns, attention's heads or a batch's
+sequences, the MoE's experts, in contiguous ranges, each output computed by the same code on
+whichever thread, so the bits do not depend on the count. The count follows
+`torch.get_num_threads()` unless `set_threads(n)` or `WORKBENCH_CPU_THREADS` fixes it.
 
 The library is compiled from `cpu_kernels.cpp` on first use (`g++ -O3 -march=native`, a few
 seconds) into `$WORKBENCH_CACHE_DIR` (default `~/.cache/workbench`), keyed by the source, the
 compiler and this CPU, and loaded with ctypes. Where it cannot be built or this CPU lacks the
 instructions (`wb_isa()` < 1), or `WORKBENCH_CPU_KERNELS=0`, `available()` is False and models
-run torch's own operations. `status()` says which, and why.
+run torch's own operations. `status()` says which, and why, and the kernels' thread count.
 
 This file is the library and its calls; `cpu_modules.py` builds kernel-backed twins of the
 models' modules from their weights and swaps them into a copy of a model (`accelerate`).
@@ -31,13 +37,13 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
 MAX_ROWS = 128  # tokens per sequence a call takes: a decode, a verify of k+1 <= 17, a prompt of up to 128
 MAX_BATCH_ROWS = 1024  # tokens per call over every sequence of a batch (64 requests verifying 16 each)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ISA_NAMES = {1: "AVX2+FMA", 2: "AVX-512", 3: "AVX512-BF16"}  # wb_isa()'s answers that serve
 _lock = threading.Lock()
-_state: dict = {}  # "lib": CDLL or None, "why": str
+_state: dict = {}  # "lib": CDLL or None, "why": str, "pinned": set_threads' count or None, "applied": the count set
 
 
 def _compiler() -> str:
@@ -98,6 +104,8 @@ def _load():
     lib.wb_mla_block.argtypes = [p, p, i, p, p, lng, p, p, p, p]
     lib.wb_ffn_block.argtypes = [p, p, i, p]
     lib.wb_eagle_chain.argtypes = [p, p, i, p, p, p, lng, p, i, f, p, p, p]
+    lib.wb_set_threads.argtypes, lib.wb_set_min_work.argtypes, lib.wb_pool_trace.argtypes = [i], [lng], [i, p]
+    lib.wb_set_min_work.restype = lib.wb_threads_created.restype = lib.wb_pool_jobs.restype = lng
     return lib, f"{path} ({_ISA_NAMES.get(isa, f'wb_isa() {isa}')})"
 
 
@@ -105,8 +113,61 @@ def _lib():
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
-                _state["lib"], _state["why"] = _load()
+                pinned = _state.get("pinned") or _threads_from_env()  # a bad value fails before the build
+                lib, why = _load()
+                _state["pinned"], _state["applied"] = pinned, None
+                _state["lib"], _state["why"] = lib, why
+                _follow_torch()
     return _state["lib"]
+
+
+def _threads_from_env() -> int | None:
+    """WORKBENCH_CPU_THREADS, where set: the kernels' thread count, whatever torch's is."""
+    text = os.environ.get("WORKBENCH_CPU_THREADS", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"WORKBENCH_CPU_THREADS = {text!r}; expected a positive integer")
+    return int(text)
+
+
+def _follow_torch() -> None:
+    """Unless set_threads pinned a count, use torch's (`torch.get_num_threads()`), read again here."""
+    lib = _state.get("lib")
+    if lib is None:
+        return
+    wanted = _state.get("pinned") or torch.get_num_threads()
+    if wanted != _state.get("applied"):
+        _state["applied"] = wanted
+        lib.wb_set_threads(wanted)
+
+
+def set_threads(n: int | None) -> int:
+    """Run each kernel call on up to `n` threads (the caller and n - 1 pool workers, started once
+    and reused); None follows `torch.get_num_threads()` again. Returns the count in force."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"set_threads: n = {n!r}; expected a positive integer or None")
+    _lib()
+    _state["pinned"] = n
+    _follow_torch()
+    return threads()
+
+
+def threads() -> int:
+    """The threads a kernel call may use now (1 where the kernels are not loaded)."""
+    lib = _lib()
+    if lib is None:
+        return 1
+    _follow_torch()
+    return lib.wb_get_threads()
+
+
+def set_min_work(macs: int) -> int:
+    """The multiply-adds each thread must get before a call is split (tests split every call with 1;
+    the default keeps small matrices on the calling thread). Returns the previous value."""
+    if _lib() is None:
+        raise RuntimeError(f"set_min_work: the CPU kernels are not loaded: {status()}")
+    return _state["lib"].wb_set_min_work(macs)
 
 
 def available() -> bool:
@@ -114,10 +175,18 @@ def available() -> bool:
     return _lib() is not None
 
 
-def status() -> str:
-    """Whether the kernels serve eager steps here: the library's path, or why not."""
-    _lib()
-    return ("on: " if _state["lib"] is not None else "") + _state["why"]
+def status(with_threads: bool = True) -> str:
+    """Whether the kernels serve eager steps here: the library's path (and the threads a call may
+    use), or why not."""
+    if _lib() is None:
+        return _state["why"]
+    return f"on: {_state['why']}" + (f", {threads_text()}" if with_threads else "")
+
+
+def threads_text() -> str:
+    """The kernels' thread count as status() and the pair's path describe it: "1 thread", "2 threads"."""
+    n = threads()
+    return f"{n} thread{'s' if n > 1 else ''}"
 
 
 def reset() -> None:
@@ -137,7 +206,11 @@ def serves(x: Tensor, rows: int | None = None) -> bool:
     if per_sequence > MAX_ROWS or total > MAX_BATCH_ROWS:
         return False
     lib = _state.get("lib", False)
-    return (_lib() if lib is False else lib) is not None
+    if (_lib() if lib is False else lib) is None:
+        return False
+    if _state["pinned"] is None and torch.get_num_threads() != _state["applied"]:
+        _follow_torch()  # torch's count changed since: the kernels follow it
+    return True
 
 
 def _ints(values: Sequence[int]):

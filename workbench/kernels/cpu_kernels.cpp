@@ -21,7 +21,10 @@
 //
 // Every output row is computed alone, in the same order, whatever the number of rows in the
 // call: a one-token decode and a (k+1)-token verify give each row the same bits, so greedy
-// speculative output equals plain decoding exactly in bf16 as in fp32.
+// speculative output equals plain decoding exactly in bf16 as in fp32. Likewise whatever the
+// number of threads (wb_set_threads): a call's work is split over a persistent pool in contiguous
+// ranges of outputs (or heads, sequences, experts), and each output is computed by the same code
+// on whichever thread runs it.
 //
 // Element types: 0 = fp32, 1 = bf16 (raw uint16 bits). bf16 results are rounded to nearest even
 // once from an fp32 accumulator, as a bf16 GEMM with fp32 accumulation does.
@@ -33,10 +36,18 @@
 // the tree of GCC's _mm512_reduce_add_ps), so an AVX2 build gives an AVX-512 build's bits, but for
 // a bf16 linear with vdpbf16ps, which adds each pair's products in its own order.
 #include <immintrin.h>
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -64,6 +75,190 @@ extern "C" int wb_isa() {
     return 0;
 #endif
 }
+
+// ---- the thread pool --------------------------------------------------------------------------
+// A call's work (a linear's output blocks, attention's heads, the MoE's experts) is split into
+// contiguous ranges, one per thread: the caller runs the first, the pool's workers the others.
+// Each output is computed by the same code whichever thread runs it, so the results do not
+// depend on the number of threads. Workers are created once (wb_set_threads) and reused; after a
+// job they spin for kSpinMicros (the next kernel call of a step comes within microseconds), then
+// sleep on a condition variable, so an idle pool leaves the cores to other processes.
+// A call made inside a part (a linear inside an expert's part), or while another thread's call
+// holds the pool, runs on its own thread.
+namespace pool {
+
+using Part = void (*)(const void* ctx, int begin, int end);
+constexpr int kMaxThreads = 256;
+constexpr long kSpinMicros = 100;
+
+struct alignas(64) Slot {  // one worker: its own ticket and wake-up, so a job wakes only its workers
+    std::atomic<uint64_t> ticket{0};  // bumped for each job the worker takes a part of
+    std::atomic<bool> asleep{false};
+    std::mutex m;
+    std::condition_variable cv;
+};
+
+struct Pool {
+    std::vector<std::unique_ptr<Slot>> slots;  // worker i runs part i + 1
+    std::atomic<bool> busy{false};              // a call is using the workers
+    Part fn = nullptr;                          // the job: written before the tickets are bumped
+    const void* ctx = nullptr;
+    int n = 0, parts = 0;
+    std::atomic<int> pending{0};                // worker parts not yet done
+    std::atomic<bool> caller_asleep{false};
+    std::mutex done_m;
+    std::condition_variable done_cv;
+};
+
+std::atomic<int> g_threads{1};         // threads a call may use, the caller included
+std::atomic<long> g_min_work{1 << 16};  // multiply-adds below which a part is not worth a thread
+std::atomic<long> g_created{0};        // worker threads ever started (they persist)
+std::atomic<long> g_jobs{0};           // calls split over more than one thread
+Pool* g_pool = nullptr;                // never freed: workers may still be waiting on it at exit
+std::once_flag g_once;
+thread_local bool t_in_part = false;   // inside a part: nested calls stay on this thread
+
+// spin on done() for kSpinMicros; true if it came true
+template <class Done>
+bool spin(Done done) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+    for (int i = 1;; ++i) {
+        if (done()) return true;
+        _mm_pause();
+        if (i % 64 == 0 && std::chrono::steady_clock::now() > until) return done();
+    }
+}
+
+// a forked child has none of the parent's workers: start afresh (leaking the parent's copies)
+void after_fork() { g_pool = new Pool; }
+
+Pool& get() {
+    std::call_once(g_once, [] {
+        g_pool = new Pool;
+        pthread_atfork(nullptr, nullptr, after_fork);
+    });
+    return *g_pool;
+}
+
+void finish_part(Pool& p) {
+    if (p.pending.fetch_sub(1) == 1 && p.caller_asleep.load()) {
+        std::lock_guard<std::mutex> lk(p.done_m);
+        p.done_cv.notify_one();
+    }
+}
+
+void work(Pool* p, Slot* s, int index) {
+    t_in_part = true;
+    uint64_t seen = 0, t = 0;
+    for (;;) {
+        if (!spin([&] { return (t = s->ticket.load()) != seen; })) {
+            std::unique_lock<std::mutex> lk(s->m);
+            s->asleep.store(true);
+            s->cv.wait(lk, [&] { return (t = s->ticket.load()) != seen; });
+            s->asleep.store(false);
+        }
+        seen = t;
+        const int part = index + 1;
+        p->fn(p->ctx, int(long(p->n) * part / p->parts), int(long(p->n) * (part + 1) / p->parts));
+        finish_part(*p);
+    }
+}
+
+void wake(Slot& s) {
+    s.ticket.fetch_add(1);
+    if (s.asleep.load()) {
+        std::lock_guard<std::mutex> lk(s.m);
+        s.cv.notify_one();
+    }
+}
+
+// at least `count` workers (the caller holds busy). A lower thread count leaves the extra ones
+// asleep, never woken, so that going back up starts none.
+void grow(Pool& p, size_t count) {
+    while (p.slots.size() < count) {
+        p.slots.emplace_back(new Slot);
+        std::thread(work, &p, p.slots.back().get(), int(p.slots.size() - 1)).detach();  // lives as long as the process
+        g_created.fetch_add(1);
+    }
+}
+
+void acquire(Pool& p) {
+    for (bool idle = false; !p.busy.compare_exchange_weak(idle, true); idle = false) std::this_thread::yield();
+}
+
+// f(ctx, begin, end) over [0, n) in `parts` contiguous ranges; false (nothing run) if the pool
+// is taken (a nested call, or another thread's)
+bool run(Part fn, const void* ctx, int n, int parts) {
+    Pool& p = get();
+    bool idle = false;
+    if (t_in_part || !p.busy.compare_exchange_strong(idle, true)) return false;
+    if (p.slots.size() < size_t(parts - 1)) grow(p, parts - 1);  // after a fork: the child has no workers
+    p.fn = fn, p.ctx = ctx, p.n = n, p.parts = parts;
+    p.pending.store(parts - 1);
+    for (int i = 0; i < parts - 1; ++i) wake(*p.slots[i]);
+    t_in_part = true;
+    fn(ctx, 0, int(long(n) / parts));
+    t_in_part = false;
+    if (!spin([&] { return p.pending.load() == 0; })) {
+        std::unique_lock<std::mutex> lk(p.done_m);
+        p.caller_asleep.store(true);
+        p.done_cv.wait(lk, [&] { return p.pending.load() == 0; });
+        p.caller_asleep.store(false);
+    }
+    g_jobs.fetch_add(1);
+    p.busy.store(false);
+    return true;
+}
+
+// how many threads `work` multiply-adds over n items are worth
+int parts_for(int n, double work) {
+    const double by_work = work / double(std::max(1L, g_min_work.load(std::memory_order_relaxed)));
+    return int(std::max(1.0, std::min({double(g_threads.load(std::memory_order_relaxed)), double(n), by_work})));
+}
+
+// f(begin, end) over [0, n), split into contiguous ranges over the pool where `work` pays for it
+template <class F>
+void parallel_for(int n, double work, const F& f) {
+    const int parts = parts_for(n, work);
+    auto call = [](const void* c, int b, int e) { if (b < e) (*static_cast<const F*>(c))(b, e); };
+    if (parts <= 1 || !run(call, &f, n, parts)) f(0, n);
+}
+
+}  // namespace pool
+
+extern "C" {
+
+// Threads a kernel call may use, the caller included (clamped to 1..256); starts the workers
+// missing for that many. Returns the count now in force.
+int wb_set_threads(int n) {
+    n = std::max(1, std::min(pool::kMaxThreads, n));
+    pool::Pool& p = pool::get();
+    pool::acquire(p);
+    pool::grow(p, size_t(n - 1));
+    pool::g_threads.store(n);
+    p.busy.store(false);
+    return n;
+}
+
+int wb_get_threads() { return pool::g_threads.load(); }
+
+// The multiply-adds a thread must get before a call is split (1 splits every call that has
+// several units: tests). Returns the previous value.
+long wb_set_min_work(long macs) { return pool::g_min_work.exchange(std::max(1L, macs)); }
+
+long wb_threads_created() { return pool::g_created.load(); }
+
+long wb_pool_jobs() { return pool::g_jobs.load(); }
+
+// Each of n items records the thread that ran it (pthread_self, Python's threading.get_ident()),
+// split over as many threads as the setting allows: how a call's parts land (tests).
+void wb_pool_trace(int n, unsigned long* ids) {
+    pool::parallel_for(n, double(n) * pool::g_min_work.load(), [&](int b, int e) {
+        for (int i = b; i < e; ++i) ids[i] = static_cast<unsigned long>(pthread_self());
+    });
+}
+
+}  // extern "C"
 
 #if WB_SIMD
 namespace {
@@ -389,18 +584,13 @@ void run_rows(const void* w, size_t bstride, const void* x, int K, int dtype, in
     else run_blocks<MB, 0>(w, bstride, x, K, blocks, 0, acc);
 }
 
-}  // namespace
-#endif
-
-extern "C" {
-
-// y [M, N] = x [M, K] W^T (+ residual [M, N]); x, y, residual are row-major in `dtype`; K even for bf16.
-int wb_linear(const void* w, const void* x, void* y, const void* residual, int M, int N, int K, int dtype) {
-#if WB_SIMD
+// wb_linear over the columns of NB blocks g0..g1-1: a thread's share, tiled as one thread tiles it
+void linear_columns(const void* w, const void* x, void* y, const void* residual, int M, int N, int K, int dtype,
+                    int g0, int g1) {
     const size_t esize = dtype ? 2 : 4;
     const size_t bstride = size_t(K) * 16;  // elements per 16-output block
     const int nblk = (N + 15) / 16;
-    for (int b0 = 0; b0 < nblk; b0 += NB) {
+    for (int b0 = g0 * NB; b0 < nblk && b0 < g1 * NB; b0 += NB) {
         const int blocks = nblk - b0 < NB ? nblk - b0 : NB;
         const char* wp = static_cast<const char*>(w) + size_t(b0) * bstride * esize;
         for (int m0 = 0; m0 < M; m0 += 4) {
@@ -429,6 +619,21 @@ int wb_linear(const void* w, const void* x, void* y, const void* residual, int M
                 }
         }
     }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// y [M, N] = x [M, K] W^T (+ residual [M, N]); x, y, residual are row-major in `dtype`; K even for bf16.
+// The columns of NB blocks are split over the pool's threads in contiguous ranges.
+int wb_linear(const void* w, const void* x, void* y, const void* residual, int M, int N, int K, int dtype) {
+#if WB_SIMD
+    const int columns = ((N + 15) / 16 + NB - 1) / NB;
+    pool::parallel_for(columns, double(M) * N * K, [&](int g0, int g1) {
+        linear_columns(w, x, y, residual, M, N, K, dtype, g0, g1);
+    });
     return 0;
 #else
     return -1;
@@ -485,14 +690,15 @@ int wb_rope(const void* a, const void* b, long ab_stride, const void* cos, const
 int wb_attention(const void* q_lat, const void* q_pe, long q_stride, long pe_stride, const void* rows, void* out,
                  int T, int N, int L, int R, int start, float scale, int dtype) {
 #if WB_SIMD
-    const int D = L + R, Dp = (L + 15) / 16 * 16 + (R + 15) / 16 * 16;  // q: latent, then rope, each padded
-    float* s = new float[start + T + 16];
-    alignas(64) float q[1024];
-    if (Dp > 1024) { delete[] s; return -2; }
-    for (int t = 0; t < T; ++t) {
-        const int n = start + t + 1;
-        for (int hd = 0; hd < N; ++hd) {
-            const int Lp = (L + 15) / 16 * 16;
+    const int D = L + R, Lp = (L + 15) / 16 * 16, Dp = Lp + (R + 15) / 16 * 16;  // q: latent, then rope, each padded
+    if (Dp > 1024) return -2;
+    // (token, head) pairs split over the pool: each is computed alone, whichever thread runs it
+    const double work = double(T) * N * (start + T) * (D + L);
+    pool::parallel_for(T * N, work, [&](int i0, int i1) {
+        std::vector<float> s(start + T + 16);
+        alignas(64) float q[1024];
+        for (int i = i0; i < i1; ++i) {
+            const int t = i / N, hd = i % N, n = start + t + 1;
             for (int d = 0; d < Dp; ++d) q[d] = 0.f;
             for (int l = 0; l < L; ++l) q[l] = load(q_lat, dtype, size_t(t) * q_stride + size_t(hd) * L + l);
             for (int r = 0; r < R; ++r) q[Lp + r] = load(q_pe, dtype, size_t(t) * pe_stride + size_t(hd) * R + r);
@@ -508,8 +714,8 @@ int wb_attention(const void* q_lat, const void* q_pe, long q_stride, long pe_str
             }
             V16 sumv = zero();
             for (int j = 0; j < n; j += 16) {
-                const V16 e = select(lanes(n - j), exp_neg(sub(load16n(s, 0, j, n - j), set1(mx))), zero());
-                store16n(s, 0, j, e, n - j);
+                const V16 e = select(lanes(n - j), exp_neg(sub(load16n(s.data(), 0, j, n - j), set1(mx))), zero());
+                store16n(s.data(), 0, j, e, n - j);
                 sumv = add(sumv, e);
             }
             const V16 inv = set1(1.0f / reduce_add(sumv));
@@ -520,8 +726,7 @@ int wb_attention(const void* q_lat, const void* q_pe, long q_stride, long pe_str
                 store16n(out, dtype, o + l, mul(acc, inv), L - l);
             }
         }
-    }
-    delete[] s;
+    });
     return 0;
 #else
     return -1;
@@ -730,18 +935,29 @@ int wb_mla_block(const MlaPlan* p, const void* x, int B, const int* counts, void
         q = A, q_stride = a_out;
     }
     rc |= wb_rope(q + N * L * es, q + (N * L + N * R) * es, q_stride, cos2, sin2, PE, N * R, T, N, R, p->dtype);
-    for (int b = 0, t0 = 0; b < B; t0 += counts[b], ++b) {  // t0: sequence b's first token
-        char* seq = static_cast<char*>(rows) + size_t(b) * seq_stride * es;
-        char* row0 = seq + size_t(starts[b]) * D * es;
-        const char* a = A + size_t(t0) * a_out * es;
-        rc |= wb_rms_norm(a + head * es, a_out, p->kv_norm, row0, D, counts[b], L, p->kv_eps, p->dtype);
-        rc |= wb_rope(a + (head + L) * es, a + (head + L + R) * es, a_out,
-                      static_cast<const char*>(cos2) + size_t(t0) * R * es,
-                      static_cast<const char*>(sin2) + size_t(t0) * R * es, row0 + L * es, D, counts[b], 1, R,
-                      p->dtype);
-        rc |= wb_attention(q + size_t(t0) * q_stride * es, PE + size_t(t0) * N * R * es, q_stride, N * R, seq,
-                           O + size_t(t0) * N * L * es, counts[b], N, L, R, starts[b], p->scale, p->dtype);
-    }
+    std::vector<int> first(B);  // sequence b's first token
+    double work = 0;            // the attention's multiply-adds
+    for (int b = 0, t0 = 0; b < B; t0 += counts[b], ++b)
+        first[b] = t0, work += double(counts[b]) * N * (starts[b] + counts[b]) * (D + L);
+    std::atomic<int> seq_rc{0};
+    // a batch's sequences split over the pool (one sequence splits its heads in wb_attention)
+    pool::parallel_for(B, B > 1 ? work : 0, [&](int b0, int b1) {
+        for (int b = b0; b < b1; ++b) {
+            const int t0 = first[b];
+            char* seq = static_cast<char*>(rows) + size_t(b) * seq_stride * es;
+            char* row0 = seq + size_t(starts[b]) * D * es;
+            const char* a = A + size_t(t0) * a_out * es;
+            int r = wb_rms_norm(a + head * es, a_out, p->kv_norm, row0, D, counts[b], L, p->kv_eps, p->dtype);
+            r |= wb_rope(a + (head + L) * es, a + (head + L + R) * es, a_out,
+                         static_cast<const char*>(cos2) + size_t(t0) * R * es,
+                         static_cast<const char*>(sin2) + size_t(t0) * R * es, row0 + L * es, D, counts[b], 1, R,
+                         p->dtype);
+            r |= wb_attention(q + size_t(t0) * q_stride * es, PE + size_t(t0) * N * R * es, q_stride, N * R, seq,
+                              O + size_t(t0) * N * L * es, counts[b], N, L, R, starts[b], p->scale, p->dtype);
+            seq_rc.fetch_or(r);
+        }
+    });
+    rc |= seq_rc.load();
     rc |= wb_linear(p->w_o, O, out, nullptr, T, p->hidden, N * L, p->dtype);
     return rc;
 #else
@@ -769,21 +985,33 @@ int wb_ffn_block(const FfnPlan* p, const void* x, int T, void* out) {
         // same outputs as the dense product, and swiglu never reads an unchosen group's.
         const size_t xrow = size_t(p->hidden) * es, hrow = size_t(2 * I) * es;
         const size_t block = size_t(p->hidden + (p->dtype ? p->hidden % 2 : 0)) * 16 * es;  // one packed 16-output block
-        std::vector<char> xg(size_t(T) * xrow), hg(size_t(T) * hrow);
-        std::vector<int> rows(T);
+        std::vector<int> used;  // the groups some row is routed to
+        long routed = 0;        // rows over all of them
         for (int g = 0; g < G; ++g) {
             int n = 0;
-            for (int t = 0; t < T; ++t)
-                if (dense[size_t(t) * G + g] != 0.0f) {
-                    std::memcpy(xg.data() + size_t(n) * xrow, static_cast<const char*>(x) + size_t(t) * xrow, xrow);
-                    rows[n++] = t;
-                }
-            if (!n) continue;
-            const char* w = static_cast<const char*>(p->w_gate_up) + size_t(g) * (2 * I / 16) * block;
-            rc |= wb_linear(w, xg.data(), hg.data(), nullptr, n, 2 * I, p->hidden, p->dtype);
-            for (int j = 0; j < n; ++j)
-                std::memcpy(H + (size_t(rows[j]) * G + g) * hrow, hg.data() + size_t(j) * hrow, hrow);
+            for (int t = 0; t < T; ++t) n += dense[size_t(t) * G + g] != 0.0f;
+            if (n) used.push_back(g), routed += n;
         }
+        std::atomic<int> expert_rc{0};
+        // the experts split over the pool; each one's linear then runs on its part's thread
+        pool::parallel_for(int(used.size()), double(routed) * 2 * I * p->hidden, [&](int u0, int u1) {
+            std::vector<char> xg(size_t(T) * xrow), hg(size_t(T) * hrow);
+            std::vector<int> rows(T);
+            for (int u = u0; u < u1; ++u) {
+                const int g = used[u];
+                int n = 0;
+                for (int t = 0; t < T; ++t)
+                    if (dense[size_t(t) * G + g] != 0.0f) {
+                        std::memcpy(xg.data() + size_t(n) * xrow, static_cast<const char*>(x) + size_t(t) * xrow, xrow);
+                        rows[n++] = t;
+                    }
+                const char* w = static_cast<const char*>(p->w_gate_up) + size_t(g) * (2 * I / 16) * block;
+                expert_rc.fetch_or(wb_linear(w, xg.data(), hg.data(), nullptr, n, 2 * I, p->hidden, p->dtype));
+                for (int j = 0; j < n; ++j)
+                    std::memcpy(H + (size_t(rows[j]) * G + g) * hrow, hg.data() + size_t(j) * hrow, hrow);
+            }
+        });
+        rc |= expert_rc.load();
     } else {
         rc |= wb_linear(p->w_gate_up, x, H, nullptr, T, G * 2 * I, p->hidden, p->dtype);
     }
