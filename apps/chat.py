@@ -12,7 +12,7 @@ proposals can be shown struck through. Race mode times the prompt again, specula
 autoregressive decoding back to back under the sweep's protocol (`workbench.analysis.protocol`),
 for decode tokens/s, speedup and (greedy) a losslessness check.
 
-    workbench chat [--verifier DIR --draft DIR --device cpu --dtype float32 --port 7860]
+    workbench chat [--verifier DIR --draft DIR --device cpu --dtype float32 --weights native --port 7860]
 
 This file is the entry point (`python apps/chat.py`, `gradio apps/chat.py`, `workbench chat`); the
 chat itself is split by concern in `apps/chat_app/`: `session.py` the settings, one app's pair and
@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--draft", help="draft checkpoint dir (default: the embedded draft)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    ap.add_argument("--weights", default="native", choices=["native", "int8", "int8-b32"],
+                    help="the CPU kernels' weights: in --dtype, or int8 (a scale per output channel, or per "
+                         "output channel and 32 inputs)")
     ap.add_argument("--port", type=int, default=7860)
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     ap.add_argument("--share", action="store_true", help="open a public Gradio share link (off by default)")
@@ -47,7 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    app = ChatApp(PairSpec(args.verifier, args.draft, args.device, args.dtype), max_concurrency=args.max_concurrency)
+    app = ChatApp(PairSpec(args.verifier, args.draft, args.device, args.dtype, args.weights),
+                  max_concurrency=args.max_concurrency)
     app.pair()  # fail before the server starts when the checkpoint is bad
     launch(build_demo(app), args.host, args.port, args.share)
     return 0

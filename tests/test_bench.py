@@ -131,8 +131,10 @@ def test_bench_reports_the_components_when_asked(pair):
     assert c["repeats"] == 2 and c["fused"] == r["fused"]
     assert {**r["engine"], "drafter": None} == {"loop": "batched", "max_batch_size": 1, "k": 2, "fused": r["fused"],
                                                 "drafter": None, "policy": "static", "attention": r["attention"],
-                                                "compiled": r["compiled"], "acceptance_rule": "greedy"}
+                                                "compiled": r["compiled"], "weights": "native",
+                                                "acceptance_rule": "greedy"}
     assert "components" not in run_bench(pair, PROMPTS[:1], k=2, max_new_tokens=4, peers=False, progress=False)
+    assert r["weights"] == "native" and "agreement_with_fp32" not in r  # figures against fp32 for int8 only
     assert (f"alone at position {c['position']} (medians of 2): a decode {c['decode_ms']:.2f} ms, a verify of 3"
             in _bench_text(r)) and f"at most {c['speedup_if_all_accepted']:.2f}x" in _bench_text(r).splitlines()[-1]
     assert (f"its own verify and drafting {c['verify_then_draft_ms']:.2f} ms ({c['verify_then_draft_decodes']:.2f})"
@@ -217,3 +219,34 @@ def test_bench_heals_the_prompts_when_asked(pair):
     r = run_bench(pair, PROMPTS, k=2, max_new_tokens=8, peers=False, progress=False, heal=True)
     healed = [wb.SpecDecoder(pair, 2).generate(p, 8, heal=True).tokens for p in PROMPTS]
     assert r["heal"] and [p["token_ids"] for p in r["per_prompt"]] == healed and r["identical"]
+
+
+@pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels: {cpu.status()}")
+def test_cli_bench_with_int8_weights_reports_them_and_their_agreement_with_fp32(pair, tmp_path, capsys):
+    """`workbench bench --weights int8`: the pair, the engine and the report say int8, the run is
+    lossless against plain decoding with the same weights, and the greedy agreement with the fp32
+    pair (its own continuations against the fp32 pair's, and what it picks fed the fp32 text) comes
+    with the speed; `--fast off` cannot hold int8 weights."""
+    from workbench.analysis.bench import agreement_text, greedy_agreement
+    from workbench.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    common = ["bench", "--verifier", pair.verifier_dir, "--draft", pair.draft_dir, "--dtype", "float32",
+              "--prompts", str(prompts), "--k", "2", "--max-new-tokens", "8", "--no-peers"]
+    assert main(common + ["--weights", "int8", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["weights"] == r["engine"]["weights"] == "int8" and "int8 weights" in r["fast_path"]
+    assert r["lossless"] and r["identical"]
+    a = r["agreement_with_fp32"]
+    assert (a["weights"], a["dtype"], a["num_prompts"], a["max_new_tokens"]) == ("int8", "float32", 2, 8)
+    assert a["reference"].startswith("float32, native weights (CPU kernels")
+    int8 = pair.with_weights("int8")
+    assert a == greedy_agreement(int8, PROMPTS, 8)  # the same figures again, from the pair itself
+    assert main(common + ["--weights", "int8-b32", "--agreement", "off", "--json"]) == 0
+    assert "agreement_with_fp32" not in json.loads(capsys.readouterr().out)
+    assert main(common + ["--weights", "int8"]) == 0
+    text = capsys.readouterr().out
+    assert agreement_text(a) in text and " weights=int8 " in text
+    assert main(common + ["--weights", "int8", "--fast", "off"]) == 2
+    assert "weights = 'int8' needs the CPU kernels; fast = 'off'" in capsys.readouterr().err

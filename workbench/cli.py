@@ -35,6 +35,10 @@ def _pair_args(p: argparse.ArgumentParser, dtype_default: str | None = "float32"
                    help="the path the models run on: the CPU kernels (auto, where they run), torch.compile'd "
                         "per-token graphs (minutes to start on a small CPU), or plain PyTorch")
     p.add_argument("--compile", action="store_true", help="the same as --fast compile")
+    p.add_argument("--weights", default="native", choices=["native", "int8", "int8-b32"],
+                   help="how the CPU kernels hold the linears' weights: in --dtype (native), or in int8 with a "
+                        "scale per output channel (int8) or per output channel and 32 inputs (int8-b32), "
+                        "activations staying in --dtype; int8 needs the CPU kernels")
 
 
 def _fused_arg(p: argparse.ArgumentParser) -> None:
@@ -52,7 +56,7 @@ def _load(args):
     dtype = args.dtype or default_dtype(args.device)
     fast = "compile" if args.compile else args.fast
     return wb.load_pair(verifier=args.verifier, draft=args.draft, device=args.device, dtype=dtype, fast=fast,
-                        attention=args.attention)
+                        attention=args.attention, weights=args.weights)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -160,7 +164,8 @@ def cmd_bench(args) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     report = run_bench(pair, prompts, k=args.k, max_new_tokens=args.max_new_tokens, attention=args.attention,
                        peers=not args.no_peers and args.peer == "transformers", peer_prompts=args.peer_prompts,
-                       repeats=args.repeats, fused=_FUSED[args.fused], components=args.components, heal=args.heal)
+                       repeats=args.repeats, fused=_FUSED[args.fused], components=args.components, heal=args.heal,
+                       agreement={"auto": None, "on": True, "off": False}[args.agreement])
     report["prompts_file"] = str(args.prompts)
     text = None if args.json else _bench_text(report)
     if args.peer == "llama.cpp":
@@ -177,7 +182,7 @@ def cmd_bench(args) -> int:
 def _bench_text(r: dict) -> str:
     m = r["machine"]
     lines = [_loops_line(r), *(f"! {w}" for w in r["warnings"]),
-             f"k={r['k']} dtype={r['dtype']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']} "
+             f"k={r['k']} dtype={r['dtype']} weights={r['weights']} prompts={r['num_prompts']} max_new_tokens={r['max_new_tokens']} "
              f"threads={r['threads']} compiled={r['compiled']} fused={r['fused']} (warm-up {r['warmup_s']:.1f} s, untimed"
              + (", graphs: {hits} from inductor's cache, {misses} compiled, {bypasses} not cacheable".format(**r["graph_cache"])
                 if r["compiled"] else "") + ")",
@@ -191,6 +196,10 @@ def _bench_text(r: dict) -> str:
              f"speculative {r['spec_tokens_per_s']:.1f} tok/s  autoregressive {r['ar_tokens_per_s']:.1f} tok/s  "
              f"speedup {r['speedup']:.2f}x (median per prompt {r['speedup_median']:.2f}x)",
              f"lossless {r['lossless']}  ties {len(r['ties'])}"]
+    if a := r.get("agreement_with_fp32"):
+        from workbench.analysis.bench import agreement_text
+
+        lines.append(agreement_text(a))
     c = r.get("step_cost") or {}
     if c.get("decodes_per_step") is not None:
         lines.append(f"a step costs {c['decodes_per_step']:.2f} decodes ({c['spec_step_ms']:.2f} ms against "
@@ -463,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heal", action="store_true",
                    help="heal each prompt's last token in both methods (as the chat does), for prompts that end "
                         "mid-token or in whitespace")
+    p.add_argument("--agreement", default="auto", choices=["auto", "on", "off"],
+                   help="also decode each prompt with the fp32 pair (native weights, untimed) and report how far "
+                        "the greedy continuations agree (auto: with int8 --weights)")
     _fused_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_bench)

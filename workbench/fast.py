@@ -12,6 +12,12 @@ that returns weight-sharing copies of them:
 bf16), else "off"; compiling is never chosen for you (its first start takes minutes). The
 Triton attention replaces the CPU kernels' and the compiled graphs' own attention, so asking for
 it means the plain path.
+
+`weights` is how the CPU kernels hold the linears' weights: "native" (the models' dtype), or
+int8 ("int8": a scale per output channel; "int8-b32": a scale per output channel and 32 inputs),
+quantised once when the pair is accelerated, the activations staying in the models' dtype
+(`workbench.kernels.cpu`). int8 weights exist only on the CPU kernels: asking for them elsewhere
+is an error, never a silent fall back to the plain weights.
 """
 from __future__ import annotations
 
@@ -20,6 +26,9 @@ from dataclasses import dataclass
 import torch
 
 FAST = ("auto", "cpu", "compile", "off")
+WEIGHTS = ("native", "int8", "int8-b32")  # = workbench.kernels.cpu.WEIGHTS (imported lazily there)
+_WEIGHTS_TEXT = {"int8": "int8 weights (a scale per output channel)",
+                 "int8-b32": "int8 weights (a scale per output channel and 32 inputs)"}
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,7 @@ class FastPath:
     name: str  # "cpu" | "compile" | "off"
     attention: str  # the absorbed attention's backend where the plain modules run: "torch" | "triton"
     why: str
+    weights: str = "native"  # the CPU kernels' weights: "native" | "int8" | "int8-b32"
 
     def describe(self) -> str:
         what = {"cpu": "CPU kernels", "compile": "torch.compile", "off": "plain PyTorch"}[self.name]
@@ -34,17 +44,25 @@ class FastPath:
             from workbench.kernels import cpu
 
             what += f" on {cpu.threads_text()}"
+        if self.weights != "native":
+            what += f", {_WEIGHTS_TEXT[self.weights]}"
         return f"{what}, attention {self.attention}: {self.why}"
 
 
-def choose(fast: str, device: torch.device | str, dtype: torch.dtype, attention: str = "auto") -> FastPath:
-    """The path for models on `device` in `dtype`; an impossible request is an error saying why."""
+def choose(fast: str, device: torch.device | str, dtype: torch.dtype, attention: str = "auto",
+           weights: str = "native") -> FastPath:
+    """The path for models on `device` in `dtype`, their linears' weights as `weights` says; an
+    impossible request is an error saying why."""
     from workbench.kernels import cpu, resolve_backend
 
     if fast not in FAST:
         raise ValueError(f"fast = {fast!r}; expected one of {', '.join(FAST)}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights = {weights!r}; expected one of {', '.join(WEIGHTS)}")
     device = torch.device(device)
     attention = resolve_backend(attention, device)
+    if weights != "native":
+        return _quantised(fast, device, dtype, attention, weights)
     if attention == "triton":
         if fast in ("cpu", "compile"):
             raise ValueError(f"fast = {fast!r} runs its own attention; attention 'triton' needs fast 'off' or 'auto'")
@@ -65,12 +83,28 @@ def choose(fast: str, device: torch.device | str, dtype: torch.dtype, attention:
     return FastPath("off", "torch", f"auto: {why}")
 
 
+def _quantised(fast: str, device: torch.device, dtype: torch.dtype, attention: str, weights: str) -> FastPath:
+    """The CPU kernels with int8 weights, or why they cannot be had (no other path holds int8)."""
+    from workbench.kernels import cpu
+
+    asked = f"weights = {weights!r} needs the CPU kernels"
+    if fast in ("compile", "off"):
+        raise ValueError(f"{asked}; fast = {fast!r} runs the plain weights: use fast 'cpu' or 'auto'")
+    if attention == "triton":
+        raise ValueError(f"{asked}, which run their own attention; attention 'triton' runs the plain weights")
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        raise RuntimeError(f"{asked}: they take fp32 or bf16 activations on the CPU, not {dtype} on {device}")
+    if not cpu.available():
+        raise RuntimeError(f"{asked}: they cannot run here: {cpu.status()}")
+    return FastPath("cpu", "torch", f"asked for (weights {weights!r}); {cpu.status(with_threads=False)}", weights)
+
+
 def apply(path: FastPath, *models: torch.nn.Module, memo: dict | None = None) -> tuple[torch.nn.Module, ...]:
     """`models` (a verifier, then its draft) as `path` runs them: copies, or the models themselves."""
     if path.name == "cpu":
         from workbench.kernels.cpu_modules import accelerate
 
-        return accelerate(*models, memo=memo)
+        return accelerate(*models, memo=memo, weights=path.weights)
     if path.name == "compile":
         from workbench.compiled import compile_models
 

@@ -256,6 +256,12 @@ class ModelPair:
     def attention(self) -> str:
         return self.path.attention
 
+    @property
+    def weights(self) -> str:
+        """How the running models hold their linears' weights: "native", or "int8" / "int8-b32" on
+        the CPU kernels (`workbench.fast`); the plain models keep theirs."""
+        return self.path.weights
+
     def _on(self, path: FastPath, verifier: Verifier | None = None, draft: Eagle3Draft | None = None,
             draft_dir: str | None = None) -> "ModelPair":
         v, d = verifier or self.plain[0], draft if draft is not None else self.plain[1]
@@ -263,10 +269,16 @@ class ModelPair:
         return ModelPair(fast[0], fast[1] if d is not None else None, self.tokenizer, self.verifier_dir,
                          draft_dir if draft is not None else self.draft_dir, dict(self.info), path, (v, d))
 
-    def with_path(self, fast: str = "auto", attention: str = "auto") -> "ModelPair":
-        """The same plain models on another path (`workbench.fast.choose`)."""
-        path = choose(fast, self.device, self.dtype, attention)
+    def with_path(self, fast: str = "auto", attention: str = "auto", weights: str | None = None) -> "ModelPair":
+        """The same plain models on another path (`workbench.fast.choose`); `weights` None keeps this
+        pair's ("native" on a plain pair)."""
+        path = choose(fast, self.device, self.dtype, attention, self.weights if weights is None else weights)
         return self if path == self.path else self._on(path)
+
+    def with_weights(self, weights: str) -> "ModelPair":
+        """The same plain models on the CPU kernels with their linears' weights as `weights` says
+        ("native", "int8", "int8-b32"), quantised afresh from the plain weights."""
+        return self.with_path("cpu" if self.path.name == "cpu" else "auto", "torch", weights)
 
     def with_attention(self, attention: str) -> "ModelPair":
         """This pair with the absorbed attention on `attention` ("auto" keeps this pair's path
@@ -291,7 +303,7 @@ class ModelPair:
         differently from each other: compare like with like.
         """
         if not self.compiled:
-            other = self._on(choose("compile", self.device, self.dtype, "torch"))
+            other = self._on(choose("compile", self.device, self.dtype, "torch", self.weights))
             self.verifier, self.draft, self.path = other.verifier, other.draft, other.path
         return self
 
@@ -324,11 +336,14 @@ class ModelPair:
 
 def load_pair(verifier: str | Path | None = None, draft: str | Path | None = None,
               device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-              no_draft: bool = False, fast: str = "auto", attention: str = "auto") -> ModelPair:
+              no_draft: bool = False, fast: str = "auto", attention: str = "auto",
+              weights: str = "native") -> ModelPair:
     """The embedded tiny-kimi pair by default; any verifier/draft directories otherwise.
 
     `fast` picks the path the models run on ("auto", "cpu", "compile", "off"; `workbench.fast`),
-    `attention` the absorbed attention's backend where the plain modules run.
+    `attention` the absorbed attention's backend where the plain modules run, `weights` how the
+    CPU kernels hold the linears' weights: "native" (the dtype's), or "int8" / "int8-b32"
+    (quantised once here, activations in `dtype`; only on the CPU kernels).
     """
     from workbench.tokenizer import Tokenizer
 
@@ -342,7 +357,7 @@ def load_pair(verifier: str | Path | None = None, draft: str | Path | None = Non
     if tok_dir is None:
         raise ConfigError(f"{vdir}: no tokenizer.json or tiktoken.model; expected the verifier's tokenizer beside it")
     plain = ModelPair(v, d, Tokenizer.from_dir(tok_dir), str(vdir), str(ddir) if ddir else None)
-    return plain.with_path(fast, attention)
+    return plain.with_path(fast, attention, weights)
 
 
 def save_model(model: Verifier | Eagle3Draft, directory: str | Path, dtype: torch.dtype | None = None,

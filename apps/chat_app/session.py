@@ -28,6 +28,7 @@ class PairSpec:
     draft: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    weights: str = "native"  # the CPU kernels' weights: "native", "int8", "int8-b32" (wb.load_pair)
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class ChatApp:
         with self._lock:
             if self._pair is None:
                 s = self.spec
-                self._pair = wb.load_pair(s.verifier, s.draft, device=s.device, dtype=s.dtype)
+                self._pair = wb.load_pair(s.verifier, s.draft, device=s.device, dtype=s.dtype, weights=s.weights)
             return self._pair
 
     def server(self) -> wb.BatchServer:

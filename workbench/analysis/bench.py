@@ -19,6 +19,12 @@ continuation is flagged `degenerate` by the repeated-6-gram rule, and the report
 count, the accept length over the clean continuations, the per-request mean and the accept length
 by decode position beside the pooled figure. It warns about prompts that look random and calls a
 draft below accept length 1.2 dead.
+
+A pair whose kernels hold int8 weights (`ModelPair.weights`) computes other logits than the
+models it was quantised from, so its speed comes with its greedy agreement with the fp32 pair on
+the same prompts (`greedy_agreement`): how many continuations are identical, and how many of the
+fp32 tokens come before the first difference. Losslessness is judged as ever, against plain
+decoding with the same int8 weights.
 """
 from __future__ import annotations
 
@@ -64,6 +70,77 @@ def divergence(pair, prompt_ids: list[int], a: list[int], b: list[int], attentio
     tol = tie_tolerance(max(abs(la), abs(lb)), pair.dtype)
     return {"position": j, "autoregressive_token": a[j], "speculative_token": b[j], "logit_ar": la,
             "logit_spec": lb, "gap": abs(la - lb), "tolerance": tol, "tie": abs(la - lb) <= tol}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Where greedy continuations `a` and `b` first differ (the shorter's length where one is a
+    prefix of the other), or None where they are equal."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return n if n is not None or len(a) == len(b) else min(len(a), len(b))
+
+
+def fp32_reference(pair):
+    """The fp32 pair with the checkpoint's own weights beside `pair`, for greedy plain decoding: the
+    same plain verifier on native weights where `pair` is fp32, else the verifier loaded again in
+    fp32 (without its draft). Either runs where its path chooses (the CPU kernels where they run)."""
+    from workbench.pair import ModelPair, load_pair
+
+    if pair.dtype == torch.float32:
+        plain = ModelPair(pair.plain[0], None, pair.tokenizer, pair.verifier_dir, None, dict(pair.info))
+        return plain.with_path("auto", "auto", "native")
+    return load_pair(pair.verifier_dir, device=pair.device, dtype=torch.float32, no_draft=True)
+
+
+def forced_picks(pair, prompt_ids: list[int], tokens: list[int], chunk: int = 64) -> list[int]:
+    """The verifier's greedy pick (argmax, the first of equal logits) for each of `tokens`' positions
+    when fed `prompt_ids` and the `tokens` before it (teacher forcing), through the cache in chunks
+    of `chunk` tokens, so that the CPU kernels serve every call as they serve decoding."""
+    ids = list(prompt_ids) + list(tokens)
+    cache = pair.verifier_cache(len(ids))
+    picks: list[int] = []
+    for i in range(0, len(ids) - 1, chunk):
+        part = ids[i:min(i + chunk, len(ids) - 1)]
+        picks += pair.verifier(torch.tensor([part], device=pair.device), cache).logits[0].float().argmax(-1).tolist()
+    return picks[len(prompt_ids) - 1:]
+
+
+@torch.inference_mode()
+def greedy_agreement(pair, prompts: list[str], max_new_tokens: int = 128, tokens: list[list[int]] | None = None,
+                     reference=None, heal: bool = False) -> dict:
+    """`pair`'s greedy continuations of `prompts` (`tokens` where already decoded, else plain
+    decoding now) against `reference`'s (default `fp32_reference(pair)`), prompt by prompt.
+
+    `same_tokens`: the continuations that are identical; `first_difference`: where each first
+    differs (None: nowhere); `prefix_share`: the reference's tokens before the first difference over
+    all of its tokens (past a difference each continuation follows its own text, so this figure
+    falls with the length asked). `token_agreement`: the share of the reference's tokens that
+    `pair` picks itself when fed the reference's text before each (`forced_picks`), which does not
+    compound: the per-token figure. With `heal` the forced picks leave out the first token's
+    constraint."""
+    reference = fp32_reference(pair) if reference is None else reference
+    if tokens is None:
+        tokens = [generate_autoregressive(pair, p, max_new_tokens, heal=heal).tokens for p in prompts]
+    runs = [generate_autoregressive(reference, p, max_new_tokens, heal=heal) for p in prompts]
+    want = [list(r.tokens) for r in runs]
+    diffs = [first_difference(w, t) for w, t in zip(want, tokens, strict=True)]
+    total = sum(len(w) for w in want)
+    agreed = sum(len(w) if d is None else d for w, d in zip(want, diffs))
+    forced = sum(sum(a == b for a, b in zip(forced_picks(pair, list(r.prompt_tokens), w), w))
+                 for r, w in zip(runs, want) if w)
+    return {"reference": f"{str(reference.dtype).removeprefix('torch.')}, {reference.weights} weights "
+                         f"({reference.status()})",
+            "weights": pair.weights, "dtype": str(pair.dtype).removeprefix("torch."), "num_prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "same_tokens": sum(d is None for d in diffs),
+            "first_difference": diffs, "prefix_share": agreed / total if total else 1.0,
+            "token_agreement": forced / total if total else 1.0, "reference_tokens": total}
+
+
+def agreement_text(a: dict) -> str:
+    """One line for `greedy_agreement`'s figures."""
+    return (f"greedy agreement with {a['reference'].split(' (')[0]} ({a['weights']} weights, {a['dtype']} "
+            f"activations): {a['same_tokens']} of {a['num_prompts']} continuations identical, "
+            f"{a['prefix_share']:.1%} of its {a['reference_tokens']} tokens before the first difference, "
+            f"{a['token_agreement']:.1%} of them picked alike when fed its text")
 
 
 def step_cost(k: int, spec_s: float, spec_prefill_s: float, spec_tokens: int, spec_steps: int, ar_s: float,
@@ -171,10 +248,13 @@ def _graph_cache_counts() -> dict[str, int]:
 
 def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, attention: str = "auto",
               peers: bool = True, peer_prompts: int = 8, repeats: int = 1, progress: bool = True,
-              fused: bool | None = None, components: int = 0, heal: bool = False) -> dict:
+              fused: bool | None = None, components: int = 0, heal: bool = False,
+              agreement: bool | None = None) -> dict:
     """Every prompt speculatively and autoregressively, alternating which goes first; with
     `components` > 0, also `step_components` on the first prompt, that many calls of each part.
-    `heal` heals each prompt's last token (`workbench.decoding.healing`) in both methods."""
+    `heal` heals each prompt's last token (`workbench.decoding.healing`) in both methods.
+    `agreement`: the autoregressive continuations' `greedy_agreement` with the fp32 pair, untimed
+    (None: where the pair's weights are int8)."""
     # long: the timing loop and the report it fills share their locals; split, they would travel as arguments
 
     dec = SpecDecoder(pair, num_speculative_tokens=k, attention=attention, fused=fused)
@@ -185,6 +265,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     _, warmup_s = _timed(lambda: (dec.generate(prompts[0], max_new_tokens=32, heal=heal), ar_fn(prompts[0])))
     graph_cache = {k: v - cache_before[k] for k, v in _graph_cache_counts().items()}
     spec_events, spec_tok, spec_t, ar_tok, ar_t, ratios, ties, per_prompt = [], 0, 0.0, 0, 0.0, [], [], []
+    ar_runs = []  # each prompt's autoregressive tokens (greedy_agreement's)
     requests = []  # each prompt's speculative steps, for the accept lengths with the loops set apart
     ar_prefill_t = 0.0
     bar = _bar(len(prompts), "bench", progress)
@@ -196,6 +277,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
                 (runs_s if tag == "s" else runs_a).append(_timed(fn))
         spec, ts = runs_s[0][0], statistics.median(t for _, t in runs_s)
         ar, ta = runs_a[0][0], statistics.median(t for _, t in runs_a)
+        ar_runs.append(list(ar.tokens))
         spec_events += spec.events
         requests.append(spec.events)
         ar_prefill_t += ar.events[0].verify_time
@@ -218,7 +300,7 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
     report = {
         "k": k, "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(pair.dtype).replace("torch.", ""),
         "device": str(pair.device), "machine": machine(), "fast_path": dec.pair.status(), "cpu_kernels": cpu.status(),
-        "attention": dec.attention, "heal": heal,
+        "attention": dec.attention, "heal": heal, "weights": pair.weights,
         "threads": torch.get_num_threads(), "repeats": repeats,
         "compiled": pair.compiled, "fused": dec.fused is not None, "engine": dec.engine_report(), "warmup_s": warmup_s, "graph_cache": graph_cache,
         "verifier": pair.verifier_dir, "draft": pair.draft_dir,
@@ -237,6 +319,8 @@ def run_bench(pair, prompts: list[str], k: int = 3, max_new_tokens: int = 128, a
                                len(prompts)),
         "lossless": all(t.get("tie") for t in ties), "identical": not ties, "ties": ties, "per_prompt": per_prompt,
     }
+    if agreement or (agreement is None and pair.weights != "native"):
+        report["agreement_with_fp32"] = greedy_agreement(pair, prompts, max_new_tokens, ar_runs, heal=heal)
     if components:
         report["components"] = step_components(dec, prompts[0], max_new_tokens, components)
     if peers:

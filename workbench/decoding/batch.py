@@ -444,7 +444,8 @@ class BatchDecoder:
         """What runs: the loop and its fast path, for a report to name (bench, sweep)."""
         return {"loop": "batched", "max_batch_size": self.max_batch_size, "k": self.k_max, "fused": self.fused,
                 "drafter": getattr(self.drafter, "name", "none"), "policy": self.policy.name,
-                "attention": self.pair.attention, "compiled": self.pair.compiled}
+                "attention": self.pair.attention, "compiled": self.pair.compiled,
+                "weights": getattr(self.pair, "weights", "native")}
 
     def cache_bytes(self) -> dict[str, int]:
         """Bytes allocated for the caches of `max_batch_size` rows (verifier, draft; 0 for a drafter without one)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from workbench.analysis.bench import first_difference
 from workbench.decoding.engine import SpecDecoder, generate_autoregressive
 
 GGUF_OF = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -25,9 +26,7 @@ def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    return n if n is not None or len(a) == len(b) else min(len(a), len(b))
+_first_difference = first_difference  # the bench's rule: where two greedy continuations part
 
 
 def llama_cpp_bench(pair, prompts: list[str], max_new_tokens: int = 128, k: int = 3, rounds: int = 3,

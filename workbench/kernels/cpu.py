@@ -19,6 +19,11 @@ compiler and this CPU, and loaded with ctypes. Where it cannot be built or this 
 instructions (`wb_isa()` < 1), or `WORKBENCH_CPU_KERNELS=0`, `available()` is False and models
 run torch's own operations. `status()` says which, and why, and the kernels' thread count.
 
+Weights are packed in the activations' dtype, or in int8 (`WEIGHTS`: "int8" with an fp32 scale
+per output channel, "int8-b32" with one per output channel and 32 inputs, llama.cpp's Q8_0
+granularity): weight-only quantisation, the activations in fp32 or bf16 and the sums in fp32
+(`PackedLinear`, `quantise_int8`).
+
 This file is the library and its calls; `cpu_modules.py` builds kernel-backed twins of the
 models' modules from their weights and swaps them into a copy of a model (`accelerate`).
 """
@@ -41,6 +46,11 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-pthre
 MAX_ROWS = 128  # tokens per sequence a call takes: a decode, a verify of k+1 <= 17, a prompt of up to 128
 MAX_BATCH_ROWS = 1024  # tokens per call over every sequence of a batch (64 requests verifying 16 each)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The weight formats a PackedLinear takes: "native" packs W in the activations' dtype (its weight
+# type is the dtype's code); the int8 ones are weight types 2 and 3 of cpu_kernels.cpp.
+WEIGHTS = ("native", "int8", "int8-b32")
+_WTYPES = {"int8": 2, "int8-b32": 3}
+QK = 32  # inputs per scale of "int8-b32" (cpu_kernels.cpp's QK)
 _ISA_NAMES = {1: "AVX2+FMA", 2: "AVX-512", 3: "AVX512-BF16"}  # wb_isa()'s answers that serve
 _lock = threading.Lock()
 _state: dict = {}  # "lib": CDLL or None, "why": str, "pinned": set_threads' count or None, "applied": the count set
@@ -95,6 +105,7 @@ def _load():
         return None, "this CPU has neither AVX2+FMA nor AVX-512: torch's operations instead"
     p, i, f, lng = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     lib.wb_linear.argtypes = [p, p, p, p, i, i, i, i]
+    lib.wb_linear_w.argtypes = [p, p, p, p, p, i, i, i, i, i]
     lib.wb_rms_norm.argtypes = [p, lng, p, p, lng, i, i, f, i]
     lib.wb_rope.argtypes = [p, p, lng, p, p, p, lng, i, i, i, i]
     lib.wb_attention.argtypes = [p, p, lng, lng, p, p, i, i, i, i, i, f, i]
@@ -223,30 +234,102 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"workbench/kernels/cpu_kernels.cpp: {what} returned {rc}")
 
 
-class PackedLinear:
-    """A weight [N, K] packed for `wb_linear`: fp32 as [N/16][K][16], bf16 as [N/16][K/2][16][2]
-    (pairs of k per lane, AVX512-BF16's dot-product layout), rows past N and a column past an odd K zero."""
+def check_weights(weights: str) -> str:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights = {weights!r}; expected one of {', '.join(WEIGHTS)}")
+    return weights
 
-    def __init__(self, weight: Tensor) -> None:
+
+def quantise_int8(w: Tensor, block: int | None = None) -> tuple[Tensor, Tensor]:
+    """w [N, K] -> (q [N, K] int8, scales [N, S] fp32), symmetric: each scale is the largest |w|
+    of its group over 127, and q = round(w / scale) (half to even), so |w - q * scale| <= scale / 2.
+
+    The groups are each output's row (`block` None, S = 1: the simplest, and the sum needs the
+    scale once, at the end) or each run of `block` inputs of it (S = ceil(K / block): as llama.cpp's
+    Q8_0 does with 32, an outlier then coarsens 32 weights rather than a row). A group of zeros
+    gets scale 0 and zeros."""
+    w = w.detach().float()
+    if w.dim() != 2 or not bool(torch.isfinite(w).all()):
+        raise ValueError(f"quantise_int8: expected a finite 2-D weight, got {tuple(w.shape)}")
+    N, K = w.shape
+    g = block or max(K, 1)
+    S = (K + g - 1) // g
+    groups = torch.nn.functional.pad(w, (0, S * g - K)).view(N, S, g)
+    scale = groups.abs().amax(-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (groups / safe[..., None]).round().clamp_(-127, 127)
+    return q.reshape(N, S * g)[:, :K].to(torch.int8).contiguous(), scale.contiguous()
+
+
+class PackedLinear:
+    """A weight [N, K] packed for `wb_linear_w`, against activations in `dtype` (default the weight's).
+
+    "native" weights in dtype: fp32 as [N/16][K][16], bf16 as [N/16][K/2][16][2] (pairs of k per
+    lane, AVX512-BF16's dot-product layout), rows past N and a column past an odd K zero.
+    "int8" and "int8-b32" (`quantise_int8` of the weight in fp32, whatever its dtype): int8 as
+    [N/16][K][16] with fp32 scales [N/16][S][16], S = 1 or ceil(K / 32); padded rows have scale 0."""
+
+    def __init__(self, weight: Tensor, weights: str = "native", dtype: torch.dtype | None = None) -> None:
         w = weight.detach()
-        if w.dtype not in _DTYPES or w.dim() != 2:
-            raise ValueError(f"PackedLinear: expected a 2-D fp32 or bf16 weight, got {w.dtype} {tuple(w.shape)}")
+        dtype = dtype or w.dtype
+        if dtype not in _DTYPES or w.dim() != 2 or not w.is_floating_point():
+            raise ValueError(f"PackedLinear: expected a 2-D float weight and fp32 or bf16 activations, got "
+                             f"{w.dtype} {tuple(w.shape)} and {dtype}")
+        self.weights = check_weights(weights)
         self.out_features, self.in_features = N, K = w.shape
-        self.dtype = w.dtype
+        self.dtype = dtype
         Np = (N + 15) // 16 * 16
-        Kp = K + (K % 2 if w.dtype == torch.bfloat16 else 0)
-        padded = torch.zeros(Np, Kp, dtype=w.dtype)
+        self.scale: Tensor | None = None
+        if weights != "native":
+            q, scale = quantise_int8(w, QK if weights == "int8-b32" else None)
+            pad = torch.nn.functional.pad
+            self.data = pad(q, (0, 0, 0, Np - N)).view(Np // 16, 16, K).transpose(1, 2).contiguous()
+            self.scale = pad(scale, (0, 0, 0, Np - N)).view(Np // 16, 16, scale.shape[1]).transpose(1, 2).contiguous()
+            self.wtype, self.k_padded = _WTYPES[weights], K
+            return
+        w = w.to(dtype)
+        Kp = K + (K % 2 if dtype == torch.bfloat16 else 0)
+        padded = torch.zeros(Np, Kp, dtype=dtype)
         padded[:N, :K] = w
-        if w.dtype == torch.bfloat16:
+        if dtype == torch.bfloat16:
             self.data = padded.view(Np // 16, 16, Kp // 2, 2).permute(0, 2, 1, 3).contiguous()
         else:
             self.data = padded.view(Np // 16, 16, Kp).transpose(1, 2).contiguous()
-        self.k_padded = Kp
+        self.wtype, self.k_padded = _DTYPES[dtype], Kp
+
+    @property
+    def scale_ptr(self) -> int | None:
+        return None if self.scale is None else self.scale.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        """The packed weights' bytes, scales included: what a call streams."""
+        return self.data.nbytes + (0 if self.scale is None else self.scale.nbytes)
+
+    def int8(self) -> tuple[Tensor, Tensor]:
+        """An int8 weight's (q [N, K] int8, scales [N, S] fp32), read back from the packing."""
+        if self.scale is None:
+            raise ValueError("PackedLinear.int8: the weights are not int8")
+        N, K = self.out_features, self.in_features
+        q = self.data.transpose(1, 2).reshape(-1, K)[:N]
+        return q, self.scale.transpose(1, 2).reshape(-1, self.scale.shape[1])[:N]
+
+    def dequantised(self) -> Tensor:
+        """The weight the kernel multiplies by, [N, K] fp32: q * scale for int8 (elementwise in fp32,
+        as "int8-b32" forms each weight; "int8" applies its scale to the sum instead), else the
+        packed weight itself."""
+        N, K = self.out_features, self.in_features
+        if self.scale is None:
+            if self.dtype == torch.bfloat16:
+                return self.data.permute(0, 2, 1, 3).reshape(-1, self.k_padded)[:N, :K].float()
+            return self.data.transpose(1, 2).reshape(-1, K)[:N].float()
+        q, scale = self.int8()
+        return q.float() * scale.repeat_interleave(QK if self.weights == "int8-b32" else max(K, 1), 1)[:, :K]
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """x [..., K] @ W^T (+ residual [..., N]), in x's dtype (the weight's)."""
+        """x [..., K] @ W^T (+ residual [..., N]), in x's dtype (this one's)."""
         if x.dtype != self.dtype:
-            raise ValueError(f"PackedLinear: activations are {x.dtype}, the weight {self.dtype}")
+            raise ValueError(f"PackedLinear: activations are {x.dtype}, the weight's {self.dtype}")
         K, N = self.in_features, self.out_features
         lead = x.shape[:-1]
         x = x.reshape(-1, K)
@@ -257,9 +340,9 @@ class PackedLinear:
         r = None
         if residual is not None:
             r = residual.reshape(-1, N).contiguous()
-        _check(_state["lib"].wb_linear(self.data.data_ptr(), x.data_ptr(), y.data_ptr(),
-                                       None if r is None else r.data_ptr(), x.shape[0], N, self.k_padded,
-                                       _DTYPES[x.dtype]), "wb_linear")
+        _check(_state["lib"].wb_linear_w(self.data.data_ptr(), self.scale_ptr, x.data_ptr(), y.data_ptr(),
+                                         None if r is None else r.data_ptr(), x.shape[0], N, self.k_padded,
+                                         _DTYPES[x.dtype], self.wtype), "wb_linear_w")
         return y
 
 
@@ -366,31 +449,37 @@ def row_stats(logits: Tensor, lse: bool = True) -> tuple[list[float], list[int],
 class _MlaPlan(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("w_a", "w_q", "w_o", "q_norm", "kv_norm")] + \
         [(n, ctypes.c_float) for n in ("q_eps", "kv_eps", "scale")] + \
-        [(n, ctypes.c_int) for n in ("in_features", "hidden", "q_lora", "N", "L", "R", "dtype")]
+        [(n, ctypes.c_int) for n in ("in_features", "hidden", "q_lora", "N", "L", "R", "dtype", "wtype")] + \
+        [(n, ctypes.c_void_p) for n in ("s_a", "s_q", "s_o")]
 
 
 class _FfnPlan(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("w_gate_up", "w_down", "router", "bias")] + \
         [(n, ctypes.c_int) for n in ("hidden", "groups", "inter", "experts", "n_group", "topk_group", "top_k", "norm",
-                                     "sigmoid", "dtype")] + [("scaling", ctypes.c_float)]
+                                     "sigmoid", "dtype")] + [("scaling", ctypes.c_float), ("wtype", ctypes.c_int)] + \
+        [(n, ctypes.c_void_p) for n in ("s_gate_up", "s_down")]
 
 
 class MlaBlock:
     """An absorbed-MLA attention in one call (`wb_mla_block`): normed x [T, in] -> o_proj's output,
     the T new cache rows written first. `a` maps x to [c_q or q | c_kv | k_pe's two halves], `q`
     maps the normed c_q to [q_lat per head (L) | q_pe's two halves per head] (None without q_lora),
-    `o` maps the heads' latent outputs to the hidden size (`MLAttention._build_kernel_block`)."""
+    `o` maps the heads' latent outputs to the hidden size (`MLAttention._build_kernel_block`).
+    The three are packed as `weights` says, against activations in `dtype` (default a's)."""
 
     def __init__(self, a: Tensor, q: Tensor | None, o: Tensor, q_norm: tuple[Tensor, float] | None,
-                 kv_norm: tuple[Tensor, float], scale: float, heads: int, kv_lora: int, rope: int) -> None:
-        self.a, self.o = PackedLinear(a), PackedLinear(o)
-        self.q = PackedLinear(q) if q is not None else None
+                 kv_norm: tuple[Tensor, float], scale: float, heads: int, kv_lora: int, rope: int,
+                 weights: str = "native", dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype or a.dtype
+        self.a, self.o = PackedLinear(a, weights, self.dtype), PackedLinear(o, weights, self.dtype)
+        self.q = PackedLinear(q, weights, self.dtype) if q is not None else None
+        self.weights = weights
         self.norms = (q_norm[0].detach().contiguous() if q_norm is not None else None, kv_norm[0].detach().contiguous())
-        self.dtype = a.dtype
         self.plan = _MlaPlan(self.a.data.data_ptr(), self.q.data.data_ptr() if self.q else None, self.o.data.data_ptr(),
                              self.norms[0].data_ptr() if self.q else None, self.norms[1].data_ptr(),
                              q_norm[1] if q_norm is not None else 0.0, kv_norm[1], scale, a.shape[1], o.shape[0],
-                             q.shape[1] if self.q else 0, heads, kv_lora, rope, _DTYPES[a.dtype])
+                             q.shape[1] if self.q else 0, heads, kv_lora, rope, _DTYPES[self.dtype], self.a.wtype,
+                             self.a.scale_ptr, self.q.scale_ptr if self.q else None, self.o.scale_ptr)
 
     def __call__(self, x: Tensor, rows: Tensor, start: int | Sequence[int], cos2: Tensor, sin2: Tensor,
                  counts: Sequence[int] | None = None) -> Tensor:
@@ -418,11 +507,12 @@ class MlaBlock:
 class FfnBlock:
     """A SwiGLU MLP, or a dense-expert MoE with its router, in one call (`wb_ffn_block`): normed x
     [T, H] -> [T, H]. gate_up holds `groups` blocks of [gate | up] rows of width `inter`; with a
-    router the first `experts` groups are routed and the rest (shared experts) weighted 1."""
+    router the first `experts` groups are routed and the rest (shared experts) weighted 1. The two
+    weights are packed as `weights` says (each expert's rows keep their own scales)."""
 
-    def __init__(self, gate_up: Tensor, down: Tensor, groups: int, router=None) -> None:
-        self.gate_up, self.down = PackedLinear(gate_up), PackedLinear(down)
-        self.dtype = gate_up.dtype
+    def __init__(self, gate_up: Tensor, down: Tensor, groups: int, router=None, weights: str = "native") -> None:
+        self.gate_up, self.down = PackedLinear(gate_up, weights), PackedLinear(down, weights)
+        self.dtype, self.weights = gate_up.dtype, weights
         inter = down.shape[1] // groups
         r = b = None
         E = n_group = topk_group = top_k = 0
@@ -433,7 +523,8 @@ class FfnBlock:
         self.plan = _FfnPlan(self.gate_up.data.data_ptr(), self.down.data.data_ptr(), r, b, down.shape[0], groups,
                              inter, E, n_group, topk_group, top_k, int(bool(router and router.norm_topk_prob)),
                              int(bool(router and router.sigmoid)), _DTYPES[gate_up.dtype],
-                             float(router.scaling) if router is not None else 1.0)
+                             float(router.scaling) if router is not None else 1.0, self.gate_up.wtype,
+                             self.gate_up.scale_ptr, self.down.scale_ptr)
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.dtype != self.dtype:
@@ -450,7 +541,8 @@ class _EaglePlan(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("attn", "mlp", "input_norm", "hidden_norm", "post_norm", "final_norm",
                                                "embed", "head", "d2t", "cos", "sin")] + \
         [(n, ctypes.c_float) for n in ("input_eps", "hidden_eps", "post_eps", "final_eps")] + \
-        [(n, ctypes.c_int) for n in ("hidden", "draft_vocab", "limit", "norm_before_residual", "norm_output", "dtype")]
+        [(n, ctypes.c_int) for n in ("hidden", "draft_vocab", "limit", "norm_before_residual", "norm_output", "dtype",
+                                     "head_wtype")] + [("head_scale", ctypes.c_void_p)]
 
 
 class EagleChain:
@@ -473,7 +565,8 @@ class EagleChain:
         self.plan = _EaglePlan(ctypes.addressof(attn.plan), ctypes.addressof(mlp.plan), n_in, n_hid, n_post, n_fin,
                                emb, head.data.data_ptr(), self.d2t.data_ptr() if self.d2t is not None else None, cos,
                                sin, *(eps for _, eps in norms), embed.shape[1], head.out_features, self.limit,
-                               int(norm_before_residual), int(norm_output), _DTYPES[embed.dtype])
+                               int(norm_before_residual), int(norm_output), _DTYPES[embed.dtype], head.wtype,
+                               head.scale_ptr)
 
     def __call__(self, ids: Tensor, state: Tensor, rows: Tensor, start: int | Sequence[int], k: int,
                  counts: Sequence[int] | None = None, stop_below: float | None = None) -> tuple[Tensor, Tensor]:

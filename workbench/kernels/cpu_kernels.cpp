@@ -5,6 +5,7 @@
 // step is overhead, not arithmetic. These kernels do a layer's pieces in a handful of calls:
 //
 //   wb_linear     y = x W^T (+ residual), W packed once into blocks of 16 outputs
+//   wb_linear_w   the same with W in int8 and fp32 scales (or in the activations' dtype)
 //   wb_rms_norm   RMSNorm, statistics in fp32
 //   wb_rope       rotary embedding from a projection's two halves
 //   wb_attention  absorbed-MLA attention of T new tokens over one sequence's latent cache rows
@@ -28,6 +29,13 @@
 //
 // Element types: 0 = fp32, 1 = bf16 (raw uint16 bits). bf16 results are rounded to nearest even
 // once from an fp32 accumulator, as a bf16 GEMM with fp32 accumulation does.
+//
+// Weight types (wb_linear_w and the blocks' plans): 0 and 1 the activations' own fp32 or bf16; 2
+// int8 with an fp32 scale per output; 3 int8 with an fp32 scale per output and 32 k's (the
+// granularity of llama.cpp's Q8_0). int8 weights are weight-only quantisation: the activations stay
+// in their dtype (bf16 ones are widened to fp32, exactly, once per call), each weight is widened
+// to fp32 as it is read, and the sums are fp32 fmas over k in order, as for fp32 weights. No
+// integer dot products (VNNI, AMX): those would need the activations in int8 too.
 //
 // Built for AVX-512 (F, BW, VL; vdpbf16ps with AVX512-BF16) and for AVX2+FMA CPUs; wb_isa() is 0
 // elsewhere and the Python side then uses torch's own operations. The kernels are written once,
@@ -336,6 +344,10 @@ inline Half load_half(const uint16_t* p) {
     return WB_PICK(_mm256_loadu_si256, _mm_loadu_si128)(reinterpret_cast<const Half*>(p));
 }
 inline IReg load_ireg(const uint16_t* p) { return WB_SI(loadu)(reinterpret_cast<const IReg*>(p)); }
+inline __m128i load_bytes(const int8_t* p) {  // a register's W signed bytes
+    return WB_PICK(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
+                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
 inline IReg widen(Half h) { return WB_OP(cvtepu16_epi32)(h); }  // uint16 lanes to int32
 constexpr int W = 16 / NR;  // lanes per register
 
@@ -371,6 +383,7 @@ inline M16 lanes(int left) WB_LANES(M16, first_lanes(left - h * W))  // lanes 0.
 inline I16 load_pairs(const uint16_t* p) WB_LANES(I16, load_ireg(p + h * 2 * W))  // 16 lanes of 2 bf16
 inline I16 set1_pair(int32_t pair) WB_LANES(I16, WB_OP(set1_epi32)(pair))
 inline V16 bf16_to_v16(const uint16_t* p) WB_LANES(V16, float_of(WB_OP(slli_epi32)(widen(load_half(p + h * W)), 16)))
+inline V16 i8_to_v16(const int8_t* p) WB_LANES(V16, WB_OP(cvtepi32_ps)(WB_OP(cvtepi8_epi32)(load_bytes(p + h * W))))
 inline V16 low_bf16(I16 a) WB_LANES(V16, float_of(WB_OP(slli_epi32)(a.r[h], 16)))  // each pair's first
 inline V16 high_bf16(I16 a) WB_LANES(V16, float_of(WB_SI(and)(a.r[h], WB_OP(set1_epi32)(int(0xffff0000u)))))
 #undef WB_LANES
@@ -510,9 +523,11 @@ inline V16 exp_neg(V16 x) {
 
 // ---- linear -------------------------------------------------------------------------------
 // fp32 W is packed [N/16][K][16]; bf16 W [N/16][K/2][16][2] (k-pairs per lane, vdpbf16ps's
-// layout; K is padded to even). Columns of NB blocks (16*NB outputs) by up to 4 rows, in tiles
-// of MB rows by up to tile_blocks(MB) blocks: the weights are read once for those rows, and each
-// output accumulates over k in order, so the tiling changes the speed, never the bits.
+// layout; K is padded to even); int8 W [N/16][K][16] with fp32 scales [N/16][KS][16], KS = 1 (a
+// scale per output) or ceil(K/32) (one per output and 32 k's). Columns of NB blocks (16*NB
+// outputs) by up to 4 rows, in tiles of MB rows by up to tile_blocks(MB) blocks: the weights
+// are read once for those rows, and each output accumulates over k in order, so the tiling
+// changes the speed, never the bits.
 // AVX-512's 32 zmm registers hold a 4 x 4 tile; AVX2's 16 ymm about 8 accumulators with their
 // weights (4 x 1, 2 x 2, 1 x 4 tiles: fewer accumulators leave the fmas waiting on each other).
 constexpr int NB = 4;
@@ -544,6 +559,50 @@ void tile_f32(const float* __restrict w, size_t bstride, const float* __restrict
         for (int b = 0; b < B; ++b) acc[m][at + b] = sum[m][b];
 }
 
+// int8 weights (wtype 2, 3) against fp32 activations. A scale per output (BLOCKED false): each
+// lane sums q * x over k with fmas, then the sum is multiplied by the lane's scale, once: the
+// cheapest (widen and fma, no multiply per weight) and 4 bytes of scale per row. A scale per 32
+// k's (BLOCKED, llama.cpp's Q8_0 granularity): each weight is q * its block's scale, rounded to
+// fp32, then fma'd as an fp32 weight is (so the result is the fp32 kernel's over those weights),
+// one multiply more per 16 weights and half a bit per weight of scales, for which an outlier
+// coarsens its 32 weights rather than its row. Either way the weights cross memory as one byte
+// each, half of bf16's traffic.
+constexpr int QK = 32;  // k's per scale of a blocked int8 weight (wtype 3)
+
+template <int MB, int B, bool BLOCKED>
+void tile_i8(const int8_t* __restrict w, size_t bstride, const float* __restrict s, size_t sstride,
+             const float* __restrict x, int K, int at, V16 (&acc)[4][NB]) {
+    V16 sum[MB][B];
+    for (int m = 0; m < MB; ++m)
+        for (int b = 0; b < B; ++b) sum[m][b] = zero();
+    for (int k0 = 0, ks = 0; k0 < K; k0 += BLOCKED ? QK : K, ++ks) {
+        const int k1 = BLOCKED && k0 + QK < K ? k0 + QK : K;
+        V16 sv[B];
+        if constexpr (BLOCKED)
+            for (int b = 0; b < B; ++b) sv[b] = loadf(s + b * sstride + size_t(ks) * 16);
+        for (int k = k0; k < k1; ++k) {
+            V16 wv[B];
+            for (int b = 0; b < B; ++b) {
+                wv[b] = i8_to_v16(w + b * bstride + size_t(k) * 16);
+                if constexpr (BLOCKED) wv[b] = mul(wv[b], sv[b]);
+            }
+#if WB_AVX2  // as tile_f32: the widened weights stay in registers for the rows
+            if constexpr (MB > 1)
+                for (int b = 0; b < B; ++b)
+                    for (int h = 0; h < NR; ++h) asm("" : "+x"(wv[b].r[h]));
+#endif
+            for (int m = 0; m < MB; ++m) {
+                const V16 xv = set1(x[size_t(m) * K + k]);
+                for (int b = 0; b < B; ++b) sum[m][b] = fma(wv[b], xv, sum[m][b]);
+            }
+        }
+    }
+    for (int b = 0; b < B; ++b) {
+        const V16 sv = BLOCKED ? zero() : loadf(s + b * sstride);
+        for (int m = 0; m < MB; ++m) acc[m][at + b] = BLOCKED ? sum[m][b] : mul(sum[m][b], sv);
+    }
+}
+
 template <int MB, int B>
 void tile_bf16(const uint16_t* __restrict w, size_t bstride, const uint16_t* __restrict x, int K, int at,
                V16 (&acc)[4][NB]) {
@@ -565,43 +624,61 @@ void tile_bf16(const uint16_t* __restrict w, size_t bstride, const uint16_t* __r
         for (int b = 0; b < B; ++b) acc[m][at + b] = sum[m][b];
 }
 
-// `blocks` (<= NB) blocks from block `at` for MB rows, in tiles of at most TB blocks
-template <int MB, int DT, int TB = tile_blocks(MB), int B = TB>
-void run_blocks(const void* w, size_t bstride, const void* x, int K, int blocks, int at, V16 (&acc)[4][NB]) {
+// `blocks` (<= NB) blocks from block `at` for MB rows, in tiles of at most TB blocks; WT the weight type
+template <int MB, int WT, int TB = tile_blocks(MB), int B = TB>
+void run_blocks(const void* w, size_t bstride, const float* s, size_t sstride, const void* x, int K, int blocks, int at,
+                V16 (&acc)[4][NB]) {
     if constexpr (B > 1)
-        if (blocks < B) return run_blocks<MB, DT, TB, B - 1>(w, bstride, x, K, blocks, at, acc);
-    if constexpr (DT)
+        if (blocks < B) return run_blocks<MB, WT, TB, B - 1>(w, bstride, s, sstride, x, K, blocks, at, acc);
+    if constexpr (WT >= 2)
+        tile_i8<MB, B, WT == 3>(static_cast<const int8_t*>(w) + at * bstride, bstride, s + at * sstride, sstride,
+                                static_cast<const float*>(x), K, at, acc);
+    else if constexpr (WT == 1)
         tile_bf16<MB, B>(static_cast<const uint16_t*>(w) + at * bstride, bstride, static_cast<const uint16_t*>(x), K,
                          at, acc);
     else
         tile_f32<MB, B>(static_cast<const float*>(w) + at * bstride, bstride, static_cast<const float*>(x), K, at, acc);
-    if (blocks > B) run_blocks<MB, DT>(w, bstride, x, K, blocks - B, at + B, acc);
+    if (blocks > B) run_blocks<MB, WT>(w, bstride, s, sstride, x, K, blocks - B, at + B, acc);
 }
 
 template <int MB>
-void run_rows(const void* w, size_t bstride, const void* x, int K, int dtype, int blocks, V16 (&acc)[4][NB]) {
-    if (dtype) run_blocks<MB, 1>(w, bstride, x, K, blocks, 0, acc);
-    else run_blocks<MB, 0>(w, bstride, x, K, blocks, 0, acc);
+void run_rows(const void* w, size_t bstride, const float* s, size_t sstride, const void* x, int K, int wtype,
+              int blocks, V16 (&acc)[4][NB]) {
+    switch (wtype) {
+        case 0: return run_blocks<MB, 0>(w, bstride, s, sstride, x, K, blocks, 0, acc);
+        case 1: return run_blocks<MB, 1>(w, bstride, s, sstride, x, K, blocks, 0, acc);
+        case 2: return run_blocks<MB, 2>(w, bstride, s, sstride, x, K, blocks, 0, acc);
+        default: return run_blocks<MB, 3>(w, bstride, s, sstride, x, K, blocks, 0, acc);
+    }
 }
 
-// wb_linear over the columns of NB blocks g0..g1-1: a thread's share, tiled as one thread tiles it
-void linear_columns(const void* w, const void* x, void* y, const void* residual, int M, int N, int K, int dtype,
-                    int g0, int g1) {
-    const size_t esize = dtype ? 2 : 4;
+// fp32 scales per 16-output block of an int8 weight of width K (wtype 2: one per output)
+inline size_t scale_stride(int K, int wtype) { return wtype == 3 ? size_t((K + QK - 1) / QK) * 16 : 16; }
+
+// bytes per element of a weight type
+inline size_t weight_size(int wtype) { return wtype == 0 ? 4 : wtype == 1 ? 2 : 1; }
+
+// wb_linear_w over the columns of NB blocks g0..g1-1: a thread's share, tiled as one thread tiles
+// it. x is fp32 for int8 weights (wtype 2, 3), else in dtype.
+void linear_columns(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
+                    int dtype, int wtype, int g0, int g1) {
+    const size_t wsize = weight_size(wtype), xsize = wtype >= 2 || !dtype ? 4 : 2;
     const size_t bstride = size_t(K) * 16;  // elements per 16-output block
+    const size_t sstride = scale_stride(K, wtype);
     const int nblk = (N + 15) / 16;
     for (int b0 = g0 * NB; b0 < nblk && b0 < g1 * NB; b0 += NB) {
         const int blocks = nblk - b0 < NB ? nblk - b0 : NB;
-        const char* wp = static_cast<const char*>(w) + size_t(b0) * bstride * esize;
+        const char* wp = static_cast<const char*>(w) + size_t(b0) * bstride * wsize;
+        const float* sp = s ? s + size_t(b0) * sstride : nullptr;
         for (int m0 = 0; m0 < M; m0 += 4) {
             const int mb = M - m0 < 4 ? M - m0 : 4;
-            const char* xp = static_cast<const char*>(x) + size_t(m0) * K * esize;
+            const char* xp = static_cast<const char*>(x) + size_t(m0) * K * xsize;
             V16 acc[4][NB];
             switch (mb) {
-                case 1: run_rows<1>(wp, bstride, xp, K, dtype, blocks, acc); break;
-                case 2: run_rows<2>(wp, bstride, xp, K, dtype, blocks, acc); break;
-                case 3: run_rows<3>(wp, bstride, xp, K, dtype, blocks, acc); break;
-                default: run_rows<4>(wp, bstride, xp, K, dtype, blocks, acc); break;
+                case 1: run_rows<1>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
+                case 2: run_rows<2>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
+                case 3: run_rows<3>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
+                default: run_rows<4>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
             }
             for (int m = 0; m < mb; ++m)
                 for (int b = 0; b < blocks; ++b) {
@@ -626,18 +703,34 @@ void linear_columns(const void* w, const void* x, void* y, const void* residual,
 
 extern "C" {
 
-// y [M, N] = x [M, K] W^T (+ residual [M, N]); x, y, residual are row-major in `dtype`; K even for bf16.
-// The columns of NB blocks are split over the pool's threads in contiguous ranges.
-int wb_linear(const void* w, const void* x, void* y, const void* residual, int M, int N, int K, int dtype) {
+// y [M, N] = x [M, K] W^T (+ residual [M, N]); x, y, residual are row-major in `dtype`; W packed
+// in weight type `wtype` (dtype itself, or int8: 2, 3, with its scales `s`); K even for bf16 W.
+// The columns of NB blocks are split over the pool's threads in contiguous ranges. Returns -2
+// for a weight type this dtype cannot take.
+int wb_linear_w(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
+                int dtype, int wtype) {
 #if WB_SIMD
+    if (wtype != dtype && !(wtype >= 2 && wtype <= 3 && s)) return -2;
+    const void* xs = x;
+    if (wtype >= 2 && dtype) {  // bf16 activations widened once (exactly) for the int8 tiles
+        thread_local std::vector<float> widened;
+        widened.resize(size_t(M) * K);
+        for (size_t i = 0; i < widened.size(); ++i) widened[i] = load(x, 1, i);
+        xs = widened.data();
+    }
     const int columns = ((N + 15) / 16 + NB - 1) / NB;
     pool::parallel_for(columns, double(M) * N * K, [&](int g0, int g1) {
-        linear_columns(w, x, y, residual, M, N, K, dtype, g0, g1);
+        linear_columns(w, s, xs, y, residual, M, N, K, dtype, wtype, g0, g1);
     });
     return 0;
 #else
     return -1;
 #endif
+}
+
+// wb_linear_w with W in the activations' own dtype
+int wb_linear(const void* w, const void* x, void* y, const void* residual, int M, int N, int K, int dtype) {
+    return wb_linear_w(w, nullptr, x, y, residual, M, N, K, dtype, dtype);
 }
 
 // y [M, H] = weight * round(x * rsqrt(mean(x^2) + eps)): RMSNorm as workbench/models/norm.py
@@ -880,6 +973,8 @@ struct MlaPlan {
     const void* kv_norm;
     float q_eps, kv_eps, scale;
     int in_features, hidden, q_lora, N, L, R, dtype;
+    int wtype;                                   // the three weights' type (dtype, or int8: 2, 3)
+    const float *s_a, *s_q, *s_o;                // their scales (int8), else null
 };
 
 struct FfnPlan {
@@ -889,6 +984,8 @@ struct FfnPlan {
     const float* bias;      // [E]
     int hidden, groups, inter, experts, n_group, topk_group, top_k, norm, sigmoid, dtype;
     float scaling;
+    int wtype;                          // both weights' type (dtype, or int8: 2, 3)
+    const float *s_gate_up, *s_down;    // their scales (int8), else null
 };
 
 namespace {
@@ -923,13 +1020,13 @@ int wb_mla_block(const MlaPlan* p, const void* x, int B, const int* counts, void
     char* Q = at(C + c_bytes);
     char* PE = at(Q + q_bytes);
     char* O = at(PE + pe_bytes);
-    int rc = wb_linear(p->w_a, x, A, nullptr, T, a_out, p->in_features, p->dtype);
+    int rc = wb_linear_w(p->w_a, p->s_a, x, A, nullptr, T, a_out, p->in_features, p->dtype, p->wtype);
     const int head = p->w_q ? p->q_lora : q_out;  // where c_kv starts in a row of A
     const char* q;
     long q_stride;
     if (p->w_q) {
         rc |= wb_rms_norm(A, a_out, p->q_norm, C, p->q_lora, T, p->q_lora, p->q_eps, p->dtype);
-        rc |= wb_linear(p->w_q, C, Q, nullptr, T, q_out, p->q_lora, p->dtype);
+        rc |= wb_linear_w(p->w_q, p->s_q, C, Q, nullptr, T, q_out, p->q_lora, p->dtype, p->wtype);
         q = Q, q_stride = q_out;
     } else {
         q = A, q_stride = a_out;
@@ -958,7 +1055,7 @@ int wb_mla_block(const MlaPlan* p, const void* x, int B, const int* counts, void
         }
     });
     rc |= seq_rc.load();
-    rc |= wb_linear(p->w_o, O, out, nullptr, T, p->hidden, N * L, p->dtype);
+    rc |= wb_linear_w(p->w_o, p->s_o, O, out, nullptr, T, p->hidden, N * L, p->dtype, p->wtype);
     return rc;
 #else
     return -1;
@@ -984,7 +1081,9 @@ int wb_ffn_block(const FfnPlan* p, const void* x, int T, void* out) {
         // Each expert's gate|up only for the rows routed to it (its weights read once for them): the
         // same outputs as the dense product, and swiglu never reads an unchosen group's.
         const size_t xrow = size_t(p->hidden) * es, hrow = size_t(2 * I) * es;
-        const size_t block = size_t(p->hidden + (p->dtype ? p->hidden % 2 : 0)) * 16 * es;  // one packed 16-output block
+        // one packed 16-output block's weight bytes and scales (int8)
+        const size_t block = size_t(p->hidden + (p->wtype == 1 ? p->hidden % 2 : 0)) * 16 * weight_size(p->wtype);
+        const size_t sblock = scale_stride(p->hidden, p->wtype);
         std::vector<int> used;  // the groups some row is routed to
         long routed = 0;        // rows over all of them
         for (int g = 0; g < G; ++g) {
@@ -1006,17 +1105,19 @@ int wb_ffn_block(const FfnPlan* p, const void* x, int T, void* out) {
                         rows[n++] = t;
                     }
                 const char* w = static_cast<const char*>(p->w_gate_up) + size_t(g) * (2 * I / 16) * block;
-                expert_rc.fetch_or(wb_linear(w, xg.data(), hg.data(), nullptr, n, 2 * I, p->hidden, p->dtype));
+                const float* s = p->s_gate_up ? p->s_gate_up + size_t(g) * (2 * I / 16) * sblock : nullptr;
+                expert_rc.fetch_or(wb_linear_w(w, s, xg.data(), hg.data(), nullptr, n, 2 * I, p->hidden, p->dtype,
+                                               p->wtype));
                 for (int j = 0; j < n; ++j)
                     std::memcpy(H + (size_t(rows[j]) * G + g) * hrow, hg.data() + size_t(j) * hrow, hrow);
             }
         });
         rc |= expert_rc.load();
     } else {
-        rc |= wb_linear(p->w_gate_up, x, H, nullptr, T, G * 2 * I, p->hidden, p->dtype);
+        rc |= wb_linear_w(p->w_gate_up, p->s_gate_up, x, H, nullptr, T, G * 2 * I, p->hidden, p->dtype, p->wtype);
     }
     rc |= wb_swiglu(H, p->router ? dense : nullptr, act, T, G, I, p->dtype);
-    rc |= wb_linear(p->w_down, act, out, nullptr, T, p->hidden, G * I, p->dtype);
+    rc |= wb_linear_w(p->w_down, p->s_down, act, out, nullptr, T, p->hidden, G * I, p->dtype, p->wtype);
     return rc;
 #else
     return -1;
@@ -1038,6 +1139,8 @@ struct EaglePlan {
     const void* sin;
     float input_eps, hidden_eps, post_eps, final_eps;
     int hidden, draft_vocab, limit, norm_before_residual, norm_output, dtype;
+    int head_wtype;            // the head's weight type (dtype, or int8: 2, 3)
+    const float* head_scale;   // its scales (int8), else null
 };
 
 #if WB_SIMD
@@ -1110,7 +1213,7 @@ int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* cou
         // the head over each sequence's last row, its argmax and that token's probability
         for (int b = 0, t0 = 0; b < B; t0 += cnt[b], ++b)
             std::memcpy(last + b * row, post + size_t(t0 + cnt[b] - 1) * row, row);
-        rc |= wb_linear(p->head, last, logits, nullptr, B, p->draft_vocab, H, dt);
+        rc |= wb_linear_w(p->head, p->head_scale, last, logits, nullptr, B, p->draft_vocab, H, dt, p->head_wtype);
         rc |= wb_row_stats(logits, p->draft_vocab, B, p->draft_vocab, mx.data(), arg.data(), lse.data(), 1, dt);
         // the next pass: each sequence's proposal, fed its last row's state, at its next position
         const char* fed = p->norm_output ? post : pre;

@@ -19,6 +19,15 @@ goes to the model's own forward, which is also what the tests compare each twin 
 The packed copies are the weights as they were at `accelerate`. A weight changed in place since
 (a training step, `load_state_dict`) makes the next kernel call raise `StaleWeightsError`: apply
 `accelerate` again to the plain model.
+
+`accelerate(..., weights="int8")` (or "int8-b32", `cpu.WEIGHTS`) packs every linear the twins run
+in int8, quantised once, here, from the plain weights (the absorbed MLA products from their fp32
+values): the attention projections, the experts and shared experts, the dense MLPs, the lm_heads
+and the draft's fc. Norms, routers (fp32) and embeddings stay as they are, and so do the plain
+models: a call the kernels do not serve (autograd, a prompt over `cpu.MAX_ROWS` tokens) runs the
+plain module with its own weights. An MoE's down projection is one matrix over every expert's
+columns: "int8" gives each of its output rows one scale across the experts, "int8-b32" one per 32
+columns, which stay within an expert where its width is a multiple of 32.
 """
 from __future__ import annotations
 
@@ -101,11 +110,12 @@ class RopeTables:
 
 class KernelLinear(nn.Linear):
     @classmethod
-    def of(cls, m: nn.Linear) -> "KernelLinear | None":
+    def of(cls, m: nn.Linear, weights: str = "native") -> "KernelLinear | None":
         if m.bias is not None or m.weight.dtype not in (torch.float32, torch.bfloat16):
             return None
         new = _twin(m, cls)
-        new.packed, new.sources = cpu.PackedLinear(m.weight), Sources(f"linear {tuple(m.weight.shape)}", [m.weight])
+        new.packed = cpu.PackedLinear(m.weight, weights)
+        new.sources = Sources(f"linear {tuple(m.weight.shape)}", [m.weight])
         return new
 
     def forward(self, x: Tensor) -> Tensor:
@@ -128,13 +138,13 @@ class KernelRMSNorm(RMSNorm):
 
 class KernelMLAttention(MLAttention):
     @classmethod
-    def of(cls, m: MLAttention) -> "KernelMLAttention | None":
+    def of(cls, m: MLAttention, weights: str = "native") -> "KernelMLAttention | None":
         if m.kv_a_proj_with_mqa.weight.dtype not in (torch.float32, torch.bfloat16):
             return None
         new = _twin(m, cls)
         q = (m.q_proj,) if m.q_lora is None else (m.q_a_proj, m.q_b_proj, m.q_a_layernorm)
         parts = (*q, m.kv_a_proj_with_mqa, m.kv_a_layernorm, m.kv_b_proj, m.o_proj)
-        new.block, new.tables = _mla_block(m), RopeTables(m.rotary)
+        new.block, new.tables = _mla_block(m, weights), RopeTables(m.rotary)
         new.sources = Sources("MLA attention", [p.weight for p in parts])
         return new
 
@@ -154,13 +164,13 @@ class KernelMLAttention(MLAttention):
         return super().forward(x, positions, cache, layer, path)
 
 
-def _mla_block(m: MLAttention) -> cpu.MlaBlock:
+def _mla_block(m: MLAttention, weights: str = "native") -> cpu.MlaBlock:
     """The absorbed projections, packed.
 
     "a" maps x to [c_q (q_lora) | c_kv | k_pe as `rope_rows`' two halves] (with q_lora), "q" maps
     c_q (or x) to [q_lat = q_nope W_UK per head (L) | q_pe's two halves per head], and "o" maps the
     heads' latent outputs to the hidden size through W_UV and o_proj at once. Products are formed
-    in fp32 and rounded to the weights' dtype once.
+    in fp32 and rounded to the weights' dtype once (or quantised to int8 from fp32).
     """
     N, P, L = m.n_heads, m.nope, m.kv_lora
     dtype = m.kv_a_proj_with_mqa.weight.dtype
@@ -176,8 +186,8 @@ def _mla_block(m: MLAttention) -> cpu.MlaBlock:
         wo = m.o_proj.weight.float().view(-1, N, m.v_dim)
         o = torch.einsum("hnv,nvl->hnl", wo, w_uv).reshape(wo.shape[0], N * L)
     q_norm = None if m.q_lora is None else (m.q_a_layernorm.weight, m.q_a_layernorm.eps)
-    return cpu.MlaBlock(a.to(dtype), None if m.q_lora is None else q.to(dtype), o.to(dtype), q_norm,
-                        (m.kv_a_layernorm.weight, m.kv_a_layernorm.eps), m.scale, N, L, m.rope)
+    return cpu.MlaBlock(a, None if m.q_lora is None else q, o, q_norm, (m.kv_a_layernorm.weight, m.kv_a_layernorm.eps),
+                        m.scale, N, L, m.rope, weights, dtype)
 
 
 def _mlp_weights(m: MLP) -> list[Tensor]:
@@ -189,11 +199,11 @@ class KernelMLP(MLP):
     `KernelMoE`, and most models never pack them."""
 
     @classmethod
-    def of(cls, m: MLP) -> "KernelMLP | None":
+    def of(cls, m: MLP, weights: str = "native") -> "KernelMLP | None":
         if m.down_proj.weight.dtype not in (torch.float32, torch.bfloat16):
             return None
         new = _twin(m, cls)
-        new._block, new.sources = None, Sources("MLP", _mlp_weights(m))
+        new._block, new.sources, new.packing = None, Sources("MLP", _mlp_weights(m)), weights
         return new
 
     @property
@@ -202,7 +212,7 @@ class KernelMLP(MLP):
         if self._block is None:
             with torch.no_grad():
                 self._block = cpu.FfnBlock(torch.cat([self.gate_proj.weight, self.up_proj.weight]),
-                                           self.down_proj.weight, 1)
+                                           self.down_proj.weight, 1, weights=self.packing)
         return self._block
 
     def forward(self, x: Tensor) -> Tensor:
@@ -225,7 +235,7 @@ class KernelMoE(MoE):
     arithmetic (few experts, each token using a quarter of them or more), in two projections."""
 
     @classmethod
-    def of(cls, m: MoE) -> "KernelMoE | None":
+    def of(cls, m: MoE, weights: str = "native") -> "KernelMoE | None":
         g = m.gate
         dtype = m.experts[0].down_proj.weight.dtype
         if len(m.experts) > 4 * g.top_k or not kernel_routes(g) or dtype not in (torch.float32, torch.bfloat16):
@@ -240,7 +250,7 @@ class KernelMoE(MoE):
                 gate_up += [e.gate_proj.weight[rows], e.up_proj.weight[rows]]
                 down.append(e.down_proj.weight[:, rows])
         with torch.no_grad():
-            new.block = cpu.FfnBlock(torch.cat(gate_up), torch.cat(down, dim=1), len(down), router=g)
+            new.block = cpu.FfnBlock(torch.cat(gate_up), torch.cat(down, dim=1), len(down), router=g, weights=weights)
         bias = getattr(g, "e_score_correction_bias", None)
         new.sources = Sources("MoE", [g.weight, bias, *(w for e in mlps for w in _mlp_weights(e))])
         return new
@@ -311,29 +321,32 @@ class KernelEagle3Draft(Eagle3Draft):
         return self.chain
 
 
-def _kernel_twin(module: nn.Module, name: str) -> nn.Module | None:
+def _kernel_twin(module: nn.Module, name: str, weights: str = "native") -> nn.Module | None:
     if isinstance(module, Eagle3Draft):
         return KernelEagle3Draft.of(module)
     if isinstance(module, MLAttention):
-        return KernelMLAttention.of(module)
+        return KernelMLAttention.of(module, weights)
     if isinstance(module, MoE):
-        return KernelMoE.of(module)
+        return KernelMoE.of(module, weights)
     if isinstance(module, MLP):
-        return KernelMLP.of(module)
+        return KernelMLP.of(module, weights)
     if isinstance(module, RMSNorm):
         return KernelRMSNorm.of(module)
     if isinstance(module, nn.Linear) and name in ("lm_head", "fc"):
-        return KernelLinear.of(module)
+        return KernelLinear.of(module, weights)
     return None
 
 
-def accelerate(*models: nn.Module, memo: dict | None = None) -> tuple[nn.Module, ...]:
+def accelerate(*models: nn.Module, memo: dict | None = None, weights: str = "native") -> tuple[nn.Module, ...]:
     """Copies of `models` (a verifier, then its draft) with kernel-backed twins where the kernels
     can run them; the models given are unchanged. `memo` (id(original) -> copy, see
     `workbench.variants.copy_modules`) lets a draft share an already accelerated verifier's
-    modules. Raises RuntimeError where the kernels cannot run here (`cpu.status()` says why)."""
+    modules. `weights` packs the twins' linears in the models' dtype ("native") or in int8
+    ("int8", "int8-b32": `cpu.WEIGHTS`). Raises RuntimeError where the kernels cannot run here
+    (`cpu.status()` says why)."""
+    cpu.check_weights(weights)
     if not cpu.available():
         raise RuntimeError(f"workbench.kernels.cpu_modules.accelerate: the CPU kernels cannot run here: {cpu.status()}")
     memo = {} if memo is None else memo  # one copy of a module both models hold (the draft borrows the lm_head)
     with torch.no_grad():
-        return tuple(copy_modules(m, _kernel_twin, memo) for m in models)
+        return tuple(copy_modules(m, lambda module, name: _kernel_twin(module, name, weights), memo) for m in models)
