@@ -24,7 +24,7 @@ def test_write_advance_truncate_reset():
     assert (c.num_layers, c.row_width, c.max_len, c.length) == (2, 5, 8, 0)
     rows = torch.arange(3 * 5, dtype=torch.float32).view(1, 3, 5)
     for layer in range(2):
-        valid = c.write(layer, 0, rows + layer)
+        valid = c.write(layer, rows + layer)
         assert torch.equal(valid, rows + layer)  # the layer's rows up to the end of the write
     assert c.length == 0  # writing does not move the length; the model advances once per forward
     c.advance(3)
@@ -34,7 +34,7 @@ def test_write_advance_truncate_reset():
     assert c.length == 1 and torch.equal(c.valid()[0], rows[:, :1])
     assert torch.equal(c.layer(0)[:, 1:3], rows[:, 1:3])
     new = torch.full((1, 2, 5), -1.0)
-    assert torch.equal(c.write(0, c.length, new), torch.cat([rows[:, :1], new], 1))  # overwrites the stale rows
+    assert torch.equal(c.write(0, new), torch.cat([rows[:, :1], new], 1))  # overwrites the stale rows
     c.advance(2)
     assert torch.equal(c.valid()[0], torch.cat([rows[:, :1], new], 1))
     c.truncate(3)  # truncating to the current length is a no-op
@@ -49,7 +49,7 @@ def test_bytes():
     assert c.nbytes_used == 0
     c.advance(5)
     assert c.nbytes_used == 5 * 120
-    assert "5/16 tokens" in repr(c)
+    assert "[5, 5]/16 tokens" in repr(c)
     # Kimi-shaped MLA rows: one [c_kv | k_pe] row of 512 + 64 values per token and layer.
     kimi = wb.KVCache(61, 576, 1, dtype=torch.bfloat16)
     assert kimi.bytes_per_token == 70272
@@ -57,14 +57,14 @@ def test_bytes():
 
 def test_past_the_context_is_an_error_not_a_wrap():
     c = wb.KVCache(1, 4, 6, name="verifier cache")
-    c.write(0, 0, torch.ones(1, 5, 4))
+    c.write(0, torch.ones(1, 5, 4))
     c.advance(5)
     with pytest.raises(wb.ContextLengthError, match=r"verifier cache: 5 tokens \+ 2 new would exceed the context of 6"):
         c.advance(2)
     assert c.length == 5
     before = c.rows.clone()
     with pytest.raises(wb.ContextLengthError, match="verifier cache: writing up to position 7 exceeds the context"):
-        c.write(0, 5, torch.full((1, 2, 4), 9.0))
+        c.write(0, torch.full((1, 2, 4), 9.0))
     assert torch.equal(c.rows, before)  # nothing written, nothing wrapped to the start
     with pytest.raises(wb.ContextLengthError):
         c.check_room(2)

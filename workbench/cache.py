@@ -5,12 +5,13 @@ shared by every head; for the MHA draft it is `[K | V]` of every KV head. Rollba
 rejection is `truncate(n)`: rows past n are never read again (attention only looks at the
 first `length` rows) and the next append overwrites them, as in gpt-fast and vLLM.
 
-A cache holds `batch` sequences, each with its own length (`lengths`): a batched step appends
-the same number of rows to every sequence, then each is truncated to what it accepted. `view`
-is a cache over some of the sequences that shares the rows and the lengths (the batched engine
-prefills one request into its slot through a view of one). `length` is the one length of a
-cache whose sequences all hold the same number of tokens, as a batch of one does.
-The engine owns caches and passes them to models, so two sessions never share one.
+A cache holds `batch` sequences, each with its own length: `lengths`, always one per sequence,
+whatever they hold. A forward appends the same number of rows to every sequence, each at its
+own length (`positions`, `write`), then each is truncated to what it accepted. `view` is a
+cache over some of the sequences that shares the rows and the lengths (the batched engine
+prefills one request into its slot through a view of one); `length` is a one-sequence cache's
+length, a convenience for a batch of one. The engine owns caches and passes them to models, so
+two sessions never share one.
 """
 from __future__ import annotations
 
@@ -67,35 +68,19 @@ class KVCache:
         return self._lens[self._at:self._at + self.batch]
 
     @property
-    def start(self) -> int | list[int]:
-        """Where the next rows go: the one length, or each sequence's when they differ."""
-        lens = self.lengths
-        return lens[0] if lens.count(lens[0]) == len(lens) else lens
-
-    @property
-    def uniform(self) -> bool:
-        """Whether every sequence holds the same number of tokens."""
-        return isinstance(self.start, int)
-
-    @property
     def length(self) -> int:
-        """The tokens every sequence holds; an error when they differ (read `lengths` then)."""
-        start = self.start
-        if isinstance(start, list):
-            raise ValueError(f"{self.name}: its sequences hold {start} tokens; read `lengths` for each one's")
-        return start
+        """A one-sequence cache's length; an error for more sequences (read `lengths`)."""
+        if self.batch != 1:
+            raise ValueError(f"{self.name}: `length` of a cache of {self.batch} sequences; read `lengths`, one each")
+        return self._lens[self._at]
 
     @length.setter
     def length(self, n: int) -> None:
         self.set_lengths([n] * self.batch)
 
     def positions(self, num_new: int, device: torch.device | str) -> torch.Tensor:
-        """The absolute positions of num_new tokens appended to every sequence: [1, T], or [B, T] when
-        the sequences' lengths differ."""
-        start = self.start
-        if isinstance(start, int):
-            return torch.arange(start, start + num_new, device=device)[None]
-        return torch.tensor(start, device=device)[:, None] + torch.arange(num_new, device=device)
+        """[B, T]: the absolute positions of num_new tokens appended to each sequence, at its own length."""
+        return torch.tensor(self.lengths, device=device)[:, None] + torch.arange(num_new, device=device)
 
     def set_lengths(self, lengths: list[int]) -> None:
         if len(lengths) != self.batch or any(not 0 <= n <= self.max_len for n in lengths):
@@ -113,28 +98,24 @@ class KVCache:
                 f"{self.name}: {longest} tokens + {n} new would exceed the context of {self.max_len} tokens"
             )
 
-    def write(self, i: int, start: int | list[int], new_rows: torch.Tensor) -> torch.Tensor:
-        """Store new rows [B, T, W] of layer i at `start` (one position, or one per sequence) and return
-        layer i's rows up to the end of the longest write."""
-        T = new_rows.shape[1]
-        if isinstance(start, list) and start.count(start[0]) == len(start):
-            start = start[0]  # one position for all: the single write below
-        end = (max(start) if isinstance(start, list) else start) + T
+    def write(self, i: int, new_rows: torch.Tensor) -> torch.Tensor:
+        """Store new rows [B, T, W] of layer i, each sequence's at its own length, and return layer i's
+        rows up to the end of the longest write (the lengths are the model's to advance)."""
+        T, lens = new_rows.shape[1], self.lengths
+        end = max(lens) + T
         if end > self.max_len:
             raise ContextLengthError(f"{self.name}: writing up to position {end} exceeds the context of {self.max_len} tokens")
-        if isinstance(start, list):
-            for b, s in enumerate(start):  # B small copies: a batched step's rows land at each sequence's length
-                self.rows[i, b, s:s + T] = new_rows[b]
-        elif torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             # An index write compiles to one graph for any number of new rows. It goes into the
             # whole buffer, not into the view rows[i]: a write through a view of a graph input is
             # functionalised into a copy of the entire cache on every call (O(max_len) per token).
             dev = new_rows.device
-            index = (torch.full((1, 1), i, device=dev), torch.arange(new_rows.shape[0], device=dev)[:, None],
-                     torch.arange(start, end, device=dev)[None, :])  # layer, batch, position: [B, T]
+            index = (torch.full((1, 1), i, device=dev), torch.arange(self.batch, device=dev)[:, None],
+                     self.positions(T, dev))  # layer, sequence, position: [B, T]
             self.rows.index_put_(index, new_rows)
         else:
-            self.rows[i, :, start:end] = new_rows
+            for b, s in enumerate(lens):  # B small copies: each sequence's rows land at its own length
+                self.rows[i, b, s:s + T] = new_rows[b]
         return self.rows[i, :, :end]
 
     def write_at(self, i: int, position: torch.Tensor, new_rows: torch.Tensor) -> None:
@@ -173,7 +154,7 @@ class KVCache:
         self._lens[self._at + dst] = n
 
     def valid(self) -> torch.Tensor:
-        """[num_layers, B, length, W]: the rows in use when every sequence holds `length` (tests, inspection)."""
+        """[num_layers, 1, length, W]: a one-sequence cache's rows in use (tests, inspection)."""
         return self.rows[:, :, : self.length]
 
     @property
@@ -190,6 +171,6 @@ class KVCache:
         return sum(self.lengths) * self.num_layers * self.row_width * self.rows.element_size()
 
     def __repr__(self) -> str:
-        held = f"{self.length}" if self.uniform else f"{self.lengths}"
+        held = f"{self.length}" if self.batch == 1 else f"{self.lengths}"
         return (f"KVCache({self.name}: {self.num_layers} layers x {self.row_width} values/token, "
                 f"{held}/{self.max_len} tokens, {self.nbytes_allocated / 2**20:.1f} MiB allocated)")

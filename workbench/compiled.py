@@ -38,7 +38,8 @@ from workbench.models.mla import ABSORB_MAX_TOKENS, LatentAttention
 from workbench.models.moe import MoE
 from workbench.variants import copy_modules
 
-__all__ = ["CompiledForward", "compile_function", "compile_models", "gemm_backends", "is_compiled", "weights_digest"]
+__all__ = ["CompiledForward", "compile_function", "compile_models", "gemm_backends", "graphs_serve",
+           "is_compiled", "weights_digest"]
 
 
 # What our graphs compile with, applied from dynamo's compile-start callback to our compiles only
@@ -138,6 +139,16 @@ def _register_callbacks() -> None:
         atexit.register(gc.unfreeze)  # the interpreter's last collection then frees what _freeze_heap froze
 
 
+def graphs_serve(cache, num_new: int) -> bool:
+    """Whether a compiled graph serves num_new new tokens over `cache`: a decode or a verify (at most
+    ABSORB_MAX_TOKENS) without autograd, over rows that all hold one length, at least 2. A prefill,
+    the step after a 1-token prompt and a batch of rows of different lengths run eagerly: the graphs
+    are traced and tested for one length every row shares (the one place that asks for it)."""
+    lens = cache.lengths
+    return (lens.count(lens[0]) == len(lens) and lens[0] >= 2 and num_new <= ABSORB_MAX_TOKENS
+            and not torch.is_grad_enabled())
+
+
 class CompiledForward:
     """Stands in for `model.forward`: the compiled graph for small cached inference steps, eager otherwise."""
 
@@ -154,11 +165,9 @@ class CompiledForward:
         self.calls = {"compiled": 0, "eager": 0}
 
     def usable(self, args: dict) -> bool:
-        # A cache holding fewer than 2 tokens is a prefill (or the step after a 1-token prompt): eager.
-        # So are rows of different lengths (a batch): the graphs take one length for every row.
         cache = args.get("cache")
-        return (cache is not None and cache.uniform and cache.length >= 2 and args["input_ids"].shape[1] <= ABSORB_MAX_TOKENS
-                and args.get("path", "auto") != "naive" and not torch.is_grad_enabled())
+        return (cache is not None and graphs_serve(cache, args["input_ids"].shape[1])
+                and args.get("path", "auto") != "naive")
 
     def __call__(self, *args, **kwargs):
         bound = self.signature.bind(*args, **kwargs)
@@ -265,17 +274,14 @@ def row_invariant_attention(q_lat: Tensor, q_pe: Tensor, rows: Tensor, seq_lens:
 class RowInvariantLatentAttention(LatentAttention):
     """`LatentAttention` in plain reductions inside a compiled graph; eager, the models' own."""
 
-    def forward(self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, seq_len: int | Tensor, bound: int, w_uk: Tensor,
+    def forward(self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, seq_lens: Tensor, bound: int, w_uk: Tensor,
                 w_uv: Tensor, scale: float) -> Tensor:
         if not torch.compiler.is_compiling():
-            return super().forward(q_nope, q_pe, rows, seq_len, bound, w_uk, w_uv, scale)
+            return super().forward(q_nope, q_pe, rows, seq_lens, bound, w_uk, w_uv, scale)
         B, T = q_nope.shape[:2]
         # contiguous(): in fp32 `.float()` is a no-op, and inductor specialised T = 1 on this split's strides
         q_lat = (q_nope.float().contiguous()[..., None] * w_uk.float()).sum(-2).to(q_nope.dtype)
-        if isinstance(seq_len, Tensor):
-            seq_lens = seq_len.to(torch.int32).reshape(1).expand(B)
-        else:
-            seq_lens = torch.full((B,), seq_len, dtype=torch.int32, device=rows.device)
+        seq_lens = seq_lens.to(torch.int32).reshape(-1).expand(B)  # [B], or 0-d for every sequence
         o_lat = row_invariant_attention(q_lat, q_pe, rows, seq_lens, bound, scale)
         return (o_lat.float()[:, :, :, None, :] * w_uv.float()).sum(-1).to(o_lat.dtype).reshape(B, T, -1)
 

@@ -96,11 +96,11 @@ class KernelLatentAttention(LatentAttention):
 
     backend = "triton"
 
-    def forward(self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, seq_len: int | Tensor, bound: int, w_uk: Tensor,
+    def forward(self, q_nope: Tensor, q_pe: Tensor, rows: Tensor, seq_lens: Tensor, bound: int, w_uk: Tensor,
                 w_uv: Tensor, scale: float) -> Tensor:
         B, T = q_nope.shape[:2]
         q_lat = torch.einsum("btnp,npl->btnl", q_nope, w_uk)
-        seq_lens = torch.as_tensor(seq_len, device=rows.device).to(torch.int32).reshape(-1).expand(B)
+        seq_lens = seq_lens.to(torch.int32).reshape(-1).expand(B)  # [B], or 0-d for every sequence
         o_lat, _ = mla_attention(q_lat, q_pe.contiguous(), rows, seq_lens, scale, max_seq_len=bound,
                                  backend=self.backend)
         return torch.einsum("btnl,nvl->btnv", o_lat, w_uv).reshape(B, T, -1)

@@ -154,10 +154,7 @@ class KernelMLAttention(MLAttention):
                 and cpu.serves(x)):  # any T the kernels take: their attention is absorbed
             self.sources.check()
             cache.check_room(x.shape[1])  # the new rows go straight into the cache
-            B, T = x.shape[:2]
-            if B == 1:  # one sequence: the plain call (a decode or a verify of batch-1 decoding)
-                cos2, sin2 = self.tables.at(positions[0], x.dtype, cache.max_len)
-                return self.block(x[0], cache.layer(layer)[0], cache.length, cos2, sin2)[None]
+            B, T = x.shape[:2]  # each sequence's T tokens at its own length (positions [B, T])
             cos2, sin2 = self.tables.at(positions.expand(B, T).reshape(-1), x.dtype, cache.max_len)
             out = self.block(x.reshape(B * T, -1), cache.layer(layer), cache.lengths, cos2, sin2, [T] * B)
             return out.view(B, T, -1)

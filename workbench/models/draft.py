@@ -68,10 +68,10 @@ class MHAttention(nn.Module):
         T = x.shape[1]
         q, new_rows = self.project(x, positions)
         if cache is None:
-            return self.o_proj(self.attend(q, new_rows, causal_mask(T, 0, x.device) if T > 1 else None))
-        start = cache.start
-        rows = cache.write(layer, start, new_rows)
-        return self.o_proj(self.attend(q, rows, causal_mask(T, start, x.device)))
+            return self.o_proj(self.attend(q, new_rows, causal_mask(T, [0], x.device) if T > 1 else None))
+        starts = cache.lengths
+        rows = cache.write(layer, new_rows)
+        return self.o_proj(self.attend(q, rows, causal_mask(T, starts, x.device)))
 
     def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int,
                    bound: int) -> torch.Tensor:

@@ -31,24 +31,19 @@ from workbench.models.rope import RotaryEmbedding
 ABSORB_MAX_TOKENS = 16  # at most this many new tokens per call take the absorbed path under "auto"
 
 
-def causal_mask(num_new: int, start: int | list[int], device: torch.device) -> torch.Tensor:
-    """[T, start+T] bool: new token t (at absolute position start+t) sees keys 0..start+t. With one
-    start per sequence, [B, 1, T, max(start)+T] (broadcast over heads): sequence b's token t sees
-    keys 0..start[b]+t."""
-    if isinstance(start, list):
-        q = torch.tensor(start, device=device)[:, None, None, None] + torch.arange(num_new, device=device)[:, None]
-        return torch.arange(max(start) + num_new, device=device) <= q
-    q = torch.arange(num_new, device=device)[:, None] + start
-    k = torch.arange(start + num_new, device=device)[None, :]
-    return k <= q
+def causal_mask(num_new: int, starts: list[int], device: torch.device) -> torch.Tensor:
+    """[B, 1, T, max(starts)+T] bool (broadcast over heads): sequence b's new token t, at absolute
+    position starts[b]+t, sees keys 0..starts[b]+t."""
+    q = torch.tensor(starts, device=device)[:, None, None, None] + torch.arange(num_new, device=device)[:, None]
+    return torch.arange(max(starts) + num_new, device=device) <= q
 
 
-def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, seq_lens: int | torch.Tensor,
+def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA of q_lat [B,T,N,L] and q_pe [B,T,N,R] over latent rows [B,S,L+R]: (out [B,T,N,L], lse [B,T,N]).
 
     Query t of sequence b sees rows j < seq_lens[b] - (T-1-t) (the T new tokens are the last of
-    seq_lens[b]); seq_lens is an int, a 0-d tensor or [B]. fp32 math, out in q_lat's dtype; a query
+    seq_lens[b]); seq_lens is [B], or 0-d for every sequence. fp32 math, out in q_lat's dtype; a query
     with no visible row gets out 0 and lse -inf.
     """
     B, T, N, L = q_lat.shape
@@ -68,13 +63,14 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor
 class LatentAttention(nn.Module):
     """The absorbed path's attention: q_lat = q_nope W_UK, MQA over the latent rows, W_UV after."""
 
-    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, seq_len: int | torch.Tensor,
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                 bound: int, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
-        """q_nope [B,T,N,P], q_pe [B,T,N,R], a layer's cache rows [B,S_max,L+R] of which the first
-        seq_len hold keys and the first `bound` (an int >= seq_len) may be read -> [B,T,N*V]."""
+        """q_nope [B,T,N,P], q_pe [B,T,N,R], a layer's cache rows [B,S_max,L+R] of which sequence b's
+        first seq_lens[b] ([B], or 0-d for all) hold keys and the first `bound` (an int >= every
+        length) may be read -> [B,T,N*V]."""
         B, T = q_nope.shape[:2]
         q_lat = torch.einsum("btnp,npl->btnl", q_nope, w_uk)
-        o_lat, _ = latent_attention(q_lat, q_pe, rows[:, :bound], seq_len, scale)
+        o_lat, _ = latent_attention(q_lat, q_pe, rows[:, :bound], seq_lens, scale)
         return torch.einsum("btnl,nvl->btnv", o_lat, w_uv).reshape(B, T, -1)
 
 
@@ -118,7 +114,7 @@ class MLAttention(nn.Module):
 
     def attend_naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
                      mask: torch.Tensor | None) -> torch.Tensor:
-        """Per-head K/V expanded from the latent rows [B,S,L+R]; mask [T,S] or [B,1,T,S] bool (None: all visible)."""
+        """Per-head K/V expanded from the latent rows [B,S,L+R]; mask [B or 1,1,T,S] bool (None: all visible)."""
         B, T = q_nope.shape[:2]
         S = rows.shape[1]
         c_kv, k_pe = rows.split([self.kv_lora, self.rope], dim=-1)
@@ -137,34 +133,31 @@ class MLAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def attend_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
-                        seq_len: int | torch.Tensor, bound: int) -> torch.Tensor:
-        """Attention over a layer's cache rows [B, S_max, L+R] whose first seq_len hold the keys (the T
-        new ones last); `bound` >= seq_len rows are read (a traced graph sees the whole buffer)."""
+                        seq_lens: torch.Tensor, bound: int) -> torch.Tensor:
+        """Attention over a layer's cache rows [B, S_max, L+R] of which sequence b's first seq_lens[b]
+        hold its keys (the T new ones last); `bound` rows are read (a traced graph sees the whole buffer)."""
         w_uk, w_uv = self.absorbed_weights()
-        return self.latent(q_nope, q_pe, rows, seq_len, bound, w_uk, w_uv, self.scale)
+        return self.latent(q_nope, q_pe, rows, seq_lens, bound, w_uk, w_uv, self.scale)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                 layer: int = 0, path: str = "auto") -> torch.Tensor:
         """Attend the new tokens x [B,T,in] to each sequence's cached tokens and themselves.
 
-        Writes the new rows into `cache` at each sequence's length (`cache.start`); the caller
+        Writes the new rows into `cache` at each sequence's length (`KVCache.write`); the caller
         advances the lengths once every layer has written. Without a cache the tokens attend
         causally among themselves.
         """
         T = x.shape[1]
         q_nope, q_pe, new_rows = self.project(x, positions)
         if cache is None:
-            mask = causal_mask(T, 0, x.device) if T > 1 else None
+            mask = causal_mask(T, [0], x.device) if T > 1 else None
             return self.o_proj(self.attend_naive(q_nope, q_pe, new_rows, mask))
-        start = cache.start
-        rows = cache.write(layer, start, new_rows)
+        starts = cache.lengths
+        rows = cache.write(layer, new_rows)
         if path == "absorbed" or (path == "auto" and T <= ABSORB_MAX_TOKENS):
-            if isinstance(start, list):  # sequences of different lengths: each its own end
-                ends, bound = torch.tensor(start, device=x.device) + T, max(start) + T
-            else:
-                ends = bound = start + T
-            return self.o_proj(self.attend_absorbed(q_nope, q_pe, cache.layer(layer), ends, bound))
-        return self.o_proj(self.attend_naive(q_nope, q_pe, rows, causal_mask(T, start, x.device)))
+            ends = torch.tensor(starts, device=x.device) + T  # each sequence's own end
+            return self.o_proj(self.attend_absorbed(q_nope, q_pe, cache.layer(layer), ends, max(starts) + T))
+        return self.o_proj(self.attend_naive(q_nope, q_pe, rows, causal_mask(T, starts, x.device)))
 
     def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int,
                    bound: int) -> torch.Tensor:
