@@ -24,6 +24,9 @@ per output channel, "int8-b32" with one per output channel and 32 inputs, llama.
 granularity): weight-only quantisation, the activations in fp32 or bf16 and the sums in fp32
 (`PackedLinear`, `quantise_int8`).
 
+A verifier's whole decoder stack (every layer's norms, attention block, FFN block and residual
+adds, the final norm and the lm_head) is one more call, `DecoderStack`, over the layers' plans.
+
 This file is the library and its calls; `cpu_modules.py` builds kernel-backed twins of the
 models' modules from their weights and swaps them into a copy of a model (`accelerate`).
 """
@@ -115,6 +118,7 @@ def _load():
     lib.wb_mla_block.argtypes = [p, p, i, p, p, lng, p, p, p, p]
     lib.wb_ffn_block.argtypes = [p, p, i, p]
     lib.wb_eagle_chain.argtypes = [p, p, i, p, p, p, lng, p, i, f, p, p, p]
+    lib.wb_decoder_stack.argtypes = [p, p, i, p, p, lng, lng, p, p, p, i, p, p, i, p, p]
     lib.wb_set_threads.argtypes, lib.wb_set_min_work.argtypes, lib.wb_pool_trace.argtypes = [i], [lng], [i, p]
     lib.wb_set_min_work.restype = lib.wb_threads_created.restype = lib.wb_pool_jobs.restype = lng
     return lib, f"{path} ({_ISA_NAMES.get(isa, f'wb_isa() {isa}')})"
@@ -597,3 +601,65 @@ class EagleChain:
         if made.value < k:
             tokens, probs = tokens[:, :made.value], probs[:, :made.value]
         return (tokens, probs) if rows.dim() == 3 else (tokens[0], probs[0])
+
+
+class _StackPlan(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in ("attn", "ffn", "input_norm", "post_norm", "input_eps", "post_eps",
+                                               "final_norm", "head", "head_scale")] + \
+        [("final_eps", ctypes.c_float)] + [(n, ctypes.c_int) for n in ("layers", "hidden", "vocab", "dtype",
+                                                                      "head_wtype")]
+
+
+class DecoderStack:
+    """A verifier's forward after its embedding in one call (`wb_decoder_stack`): for each layer, the
+    stream entering it kept where it is an aux layer, h += attention(input_norm(h)) (an `MlaBlock`,
+    writing the cache rows), h += ffn(post_norm(h)) (an `FfnBlock`), each add rounded to the dtype
+    as torch's `h + x`; then the final norm and the head over each sequence's last rows. The same
+    kernels on the same rows as the layers' twins call one by one, so the same bits."""
+
+    def __init__(self, attn: Sequence[MlaBlock], ffn: Sequence[FfnBlock], input_norms: Sequence[tuple[Tensor, float]],
+                 post_norms: Sequence[tuple[Tensor, float]], final_norm: tuple[Tensor, float],
+                 head: PackedLinear) -> None:
+        n = len(attn)
+        self.dtype = attn[0].dtype
+        if (len(ffn) != n or len(input_norms) != n or len(post_norms) != n or head.dtype != self.dtype
+                or head.k_padded != head.in_features or any(b.plan.hidden != head.in_features for b in (*attn, *ffn))
+                or any(b.dtype != self.dtype for b in (*attn, *ffn))
+                or any(w.dtype != self.dtype for w, _ in (*input_norms, *post_norms, final_norm))):
+            raise ValueError(f"DecoderStack: every part must be {n} layers' in {self.dtype}")
+        self.parts = (list(attn), list(ffn), head)  # kept alive: the plan points into them
+        self.norms = [w.detach().contiguous() for w, _ in (*input_norms, *post_norms, final_norm)]
+        ptrs = ctypes.c_void_p * n
+        self.arrays = (ptrs(*(ctypes.addressof(b.plan) for b in attn)), ptrs(*(ctypes.addressof(b.plan) for b in ffn)),
+                       ptrs(*(w.data_ptr() for w in self.norms[:n])), ptrs(*(w.data_ptr() for w in self.norms[n:2 * n])),
+                       (ctypes.c_float * n)(*(eps for _, eps in input_norms)),
+                       (ctypes.c_float * n)(*(eps for _, eps in post_norms)))
+        self.hidden, self.vocab, self.layers = attn[0].plan.hidden, head.out_features, n
+        self.row_width = attn[0].plan.L + attn[0].plan.R
+        self.plan = _StackPlan(*(ctypes.addressof(a) for a in self.arrays), self.norms[-1].data_ptr(),
+                               head.data.data_ptr(), head.scale_ptr, final_norm[1], n, self.hidden, self.vocab,
+                               _DTYPES[self.dtype], head.wtype)
+
+    def __call__(self, embeds: Tensor, rows: Tensor, starts: Sequence[int], cos2: Tensor, sin2: Tensor,
+                 aux_ids: Sequence[int], keep: int) -> tuple[Tensor, Tensor, Tensor]:
+        """embeds [B, T, H] in this dtype; rows [layers, B, S, L+R] (a cache's, each sequence's rows
+        contiguous) with room for T new rows at starts[b]; cos2, sin2 [B * T, R]; aux_ids distinct,
+        ascending; 1 <= keep <= T -> (aux [len(aux_ids), B, T, H], normed hidden [B, keep, H],
+        logits [B, keep, vocab])."""
+        B, T, H = embeds.shape
+        if (embeds.dtype != self.dtype or H != self.hidden or rows.dtype != self.dtype or rows.dim() != 4
+                or rows.shape[:2] != (self.layers, B) or rows.shape[3] != self.row_width or rows.stride(3) != 1
+                or rows.stride(2) != self.row_width or len(starts) != B or not 1 <= keep <= T
+                or any(s + T > rows.shape[2] for s in starts) or cos2.shape[0] != B * T or sin2.shape[0] != B * T):
+            raise ValueError(f"DecoderStack: embeds must be {self.dtype} [B, T, {self.hidden}] and rows "
+                             f"[{self.layers}, B, S, {self.row_width}] with room for T = {T} from {list(starts)}")
+        embeds, c, s = embeds.contiguous(), cos2.contiguous(), sin2.contiguous()
+        aux = torch.empty(len(aux_ids), B, T, H, dtype=self.dtype)
+        hidden = torch.empty(B, keep, H, dtype=self.dtype)
+        logits = torch.empty(B, keep, self.vocab, dtype=self.dtype)
+        _check(_state["lib"].wb_decoder_stack(ctypes.byref(self.plan), embeds.data_ptr(), B, _ints([T] * B),
+                                              rows.data_ptr(), rows.stride(0), rows.stride(1), _ints(starts),
+                                              c.data_ptr(), s.data_ptr(), len(aux_ids), _ints(aux_ids),
+                                              aux.data_ptr(), keep, hidden.data_ptr(), logits.data_ptr()),
+               "wb_decoder_stack")
+        return aux, hidden, logits

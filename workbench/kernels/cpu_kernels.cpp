@@ -17,6 +17,8 @@
 //   wb_ffn_block  a whole SwiGLU MLP or dense-expert MoE (routing, experts, shared experts)
 //   wb_eagle_chain  an EAGLE-3 draft's greedy chain for a batch of sequences: the first pass, k-1
 //                 more, each head's argmax
+//   wb_decoder_stack  a verifier's whole forward after the embedding: every layer (aux captures,
+//                 norms, wb_mla_block, wb_ffn_block, residual adds), the final norm, the lm_head
 // The two blocks only sequence the kernels above over scratch buffers, so that a layer is two
 // calls from Python instead of a dozen (at this size the calls, not the arithmetic, are the cost).
 //
@@ -1233,6 +1235,79 @@ int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* cou
         for (int b = 0; b < B; ++b) cnt[b] = 1;
         T = B;
     }
+    return rc;
+#else
+    return -1;
+#endif
+}
+
+// ---- a verifier's decoder stack ----------------------------------------------------------------
+struct StackPlan {
+    const MlaPlan* const* attn;     // [layers]
+    const FfnPlan* const* ffn;      // [layers]
+    const void* const* input_norm;  // [layers] weights in dtype
+    const void* const* post_norm;   // [layers]
+    const float* input_eps;         // [layers]
+    const float* post_eps;          // [layers]
+    const void* final_norm;
+    const void* head;               // packed [vocab, hidden]
+    const float* head_scale;        // its scales (int8), else null
+    float final_eps;
+    int layers, hidden, vocab, dtype, head_wtype;
+};
+
+#if WB_SIMD
+namespace {
+thread_local std::vector<char> stack_buf;
+}  // namespace
+#endif
+
+// A verifier's forward from its embeddings [total, H] (B sequences, sequence b's counts[b] new
+// tokens after those of sequences 0..b-1; cos2, sin2 [total, R] each token's RoPE row): for each
+// layer l, the stream entering it copied to aux_out[j] ([n_aux, total, H]) where aux_ids[j] == l,
+// then h += attention(input_norm(h)) (wb_mla_block over layer l's cache rows at rows + l *
+// layer_stride, sequence b's at + b * seq_stride elements, its new rows written at starts[b]) and
+// h += ffn(post_norm(h)), each add rounded to dtype once as torch's `h + x`; then the final norm of
+// each sequence's last `keep` rows into hidden_out [B * keep, H] and the lm_head's logits_out
+// [B * keep, vocab]. The same kernel calls, on the same rows, as the per-module path makes one by
+// one, so the same bits. The caller checks the rows fit and advances the lengths.
+int wb_decoder_stack(const StackPlan* p, const void* embeds, int B, const int* counts, void* rows, long layer_stride,
+                     long seq_stride, const int* starts, const void* cos2, const void* sin2, int n_aux,
+                     const int* aux_ids, void* aux_out, int keep, void* hidden_out, void* logits_out) {
+#if WB_SIMD
+    const int H = p->hidden, dt = p->dtype;
+    const size_t es = dt ? 2 : 4, row = size_t(H) * es;
+    int T = 0;
+    for (int b = 0; b < B; ++b) {
+        if (counts[b] < 1 || keep < 1 || keep > counts[b]) return -3;
+        T += counts[b];
+    }
+    const size_t n = size_t(T) * row;
+    if (stack_buf.size() < 3 * n + 64 * 3) stack_buf.resize(3 * n + 64 * 3);
+    char* base = stack_buf.data();
+    auto take = [&](size_t bytes) { char* q = base; base += (bytes + 63) / 64 * 64; return q; };
+    char *h = take(n), *x = take(n), *y = take(n);
+    std::memcpy(h, embeds, n);
+    int rc = 0;
+    for (int l = 0, j = 0; l < p->layers; ++l) {
+        for (; j < n_aux && aux_ids[j] == l; ++j) std::memcpy(static_cast<char*>(aux_out) + size_t(j) * n, h, n);
+        rc |= wb_rms_norm(h, H, p->input_norm[l], x, H, T, H, p->input_eps[l], dt);
+        rc |= wb_mla_block(p->attn[l], x, B, counts, static_cast<char*>(rows) + size_t(l) * layer_stride * es,
+                           seq_stride, starts, cos2, sin2, y);
+        add_into(h, y, size_t(T) * H, dt);
+        rc |= wb_rms_norm(h, H, p->post_norm[l], x, H, T, H, p->post_eps[l], dt);
+        rc |= wb_ffn_block(p->ffn[l], x, T, y);
+        add_into(h, y, size_t(T) * H, dt);
+    }
+    const char* last = h;  // each sequence's last keep rows, together
+    if (keep * B != T) {
+        for (int b = 0, t0 = 0; b < B; t0 += counts[b], ++b)
+            std::memcpy(x + size_t(b) * keep * row, h + size_t(t0 + counts[b] - keep) * row, size_t(keep) * row);
+        last = x;
+    }
+    rc |= wb_rms_norm(last, H, p->final_norm, hidden_out, H, B * keep, H, p->final_eps, dt);
+    rc |= wb_linear_w(p->head, p->head_scale, hidden_out, logits_out, nullptr, B * keep, p->vocab, H, dt,
+                      p->head_wtype);
     return rc;
 #else
     return -1;

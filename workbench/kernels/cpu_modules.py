@@ -15,6 +15,12 @@ goes to the model's own forward, which is also what the tests compare each twin 
 | RMSNorm            | KernelRMSNorm           | the norm                                             |
 | lm_head, fc        | KernelLinear            | the projection                                       |
 | Eagle3Draft (MLA)  | KernelEagle3Draft       | `greedy_chain`: first pass, k-1 passes and argmaxes  |
+| Verifier           | KernelVerifier          | `forward` after the embedding: every layer (norms, the two blocks, residual adds, aux captures), the final norm, the lm_head |
+
+A `KernelVerifier` is made where every layer's attention and FFN have twins; the calls it does not
+serve (no cache, path "naive", or any its layers' twins decline) run the layers' twins one by one,
+as does every call with `accelerate(..., stack=False)` or `WORKBENCH_CPU_STACK=0` (which make no
+`KernelVerifier`): the per-module path, whose bits the stack equals.
 
 The packed copies are the weights as they were at `accelerate`. A weight changed in place since
 (a training step, `load_state_dict`) makes the next kernel call raise `StaleWeightsError`: apply
@@ -32,6 +38,8 @@ columns, which stay within an expert where its width is a multiple of 32.
 from __future__ import annotations
 
 import math
+import operator
+import os
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +51,7 @@ from workbench.models.mla import MLAttention
 from workbench.models.moe import MLP, MoE
 from workbench.models.norm import RMSNorm
 from workbench.models.rope import RotaryEmbedding
+from workbench.models.verifier import Verifier, VerifierOutput
 from workbench.variants import copy_modules, shallow_copy
 
 
@@ -318,6 +327,76 @@ class KernelEagle3Draft(Eagle3Draft):
         return self.chain
 
 
+_VERSION = operator.attrgetter("_version")
+
+
+class KernelVerifier(Verifier):
+    """A verifier whose forward, where the kernels serve it (eager inference on the CPU with a cache,
+    in the stack's dtype, up to `cpu.MAX_ROWS` tokens a sequence and `cpu.MAX_BATCH_ROWS` in all), is
+    the embedding, each token's RoPE rows and one `cpu.DecoderStack` call over every layer's twins'
+    plans; any other call is `Verifier.forward` over the twins, one module at a time."""
+
+    @classmethod
+    def of(cls, v: Verifier) -> "KernelVerifier | None":
+        """`v`, an accelerated copy with its layers' twins in place, re-classed; None (v unchanged)
+        where a part has no twin or the parts do not share one dtype."""
+        layers, head, final = list(v.model.layers), v.lm_head, v.model.norm
+        attn, ffn = [layer.self_attn for layer in layers], [layer.mlp for layer in layers]
+        norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [final]
+        if not (layers and isinstance(head, KernelLinear) and all(isinstance(a, KernelMLAttention) for a in attn)
+                and all(isinstance(f, (KernelMoE, KernelMLP)) for f in ffn) and all(isinstance(n, RMSNorm) for n in norms)):
+            return None
+        rotary = attn[0].rotary  # one RoPE table for every layer: their rotaries must agree
+        if any(not torch.equal(a.rotary.inv_freq, rotary.inv_freq) or a.rotary.magnitude != rotary.magnitude
+               for a in attn):
+            return None
+        try:
+            stack = cpu.DecoderStack([a.block for a in attn], [f.block for f in ffn],
+                                     [(layer.input_layernorm.weight, layer.input_layernorm.eps) for layer in layers],
+                                     [(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+                                      for layer in layers], (final.weight, final.eps), head.packed)
+        except ValueError:
+            return None
+        v.__class__ = cls
+        v.stack, v.tables = stack, attn[0].tables
+        v.sources = [m.sources for m in (*attn, *ffn, head)]
+        v.watched = [t for src in v.sources for t, _ in src.tensors]
+        v.versions = sum(map(_VERSION, v.watched))  # versions only grow: an equal sum means none changed
+        v.aux_key = None
+        return v
+
+    def forward(self, input_ids: Tensor, cache: KVCache | None = None, positions: Tensor | None = None,
+                logits_to_keep: int = 0, path: str = "auto") -> VerifierOutput:
+        stack = self.stack
+        if cache is None or path == "naive" or logits_to_keep < 0 or torch.is_grad_enabled():
+            return super().forward(input_ids, cache, positions, logits_to_keep, path)
+        h = self.model.embed_tokens(input_ids)
+        rows = cache.rows
+        if h.dtype != stack.dtype or rows.dtype != stack.dtype or not rows.is_cpu or not cpu.serves(h):
+            return super().forward(input_ids, cache, positions, logits_to_keep, path)
+        if sum(map(_VERSION, self.watched)) != self.versions:
+            for src in self.sources:
+                src.check()
+        B, T = input_ids.shape
+        cache.check_room(T)
+        starts = cache.lengths
+        cos2, sin2 = self.tables.get(stack.dtype, cache.max_len)
+        if positions is None and B == 1:  # the rows at the cache's length: a slice
+            cos2, sin2 = cos2[starts[0]:starts[0] + T], sin2[starts[0]:starts[0] + T]
+        else:
+            if positions is None:
+                positions = cache.positions(T, input_ids.device)
+            where = positions.expand(B, T).reshape(-1)
+            cos2, sin2 = cos2[where], sin2[where]
+        if self.aux_key is not self._aux:  # each aux id once, in order, and which one each entry is
+            ids = sorted(set(self._aux))
+            self.aux_key, self.aux_ids, self.aux_at = self._aux, ids, [ids.index(i) for i in self._aux]
+        keep = min(logits_to_keep, T) if logits_to_keep else T
+        aux, hidden, logits = stack(h, rows, starts, cos2, sin2, self.aux_ids, keep)
+        cache.advance(T)
+        return VerifierOutput(logits, tuple(aux[j] for j in self.aux_at), hidden)
+
+
 def _kernel_twin(module: nn.Module, name: str, weights: str = "native") -> nn.Module | None:
     if isinstance(module, Eagle3Draft):
         return KernelEagle3Draft.of(module)
@@ -334,16 +413,30 @@ def _kernel_twin(module: nn.Module, name: str, weights: str = "native") -> nn.Mo
     return None
 
 
-def accelerate(*models: nn.Module, memo: dict | None = None, weights: str = "native") -> tuple[nn.Module, ...]:
+def stack_default() -> bool:
+    """Whether `accelerate` makes a `KernelVerifier` when not told: yes unless WORKBENCH_CPU_STACK is 0."""
+    return os.environ.get("WORKBENCH_CPU_STACK", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def accelerate(*models: nn.Module, memo: dict | None = None, weights: str = "native",
+               stack: bool | None = None) -> tuple[nn.Module, ...]:
     """Copies of `models` (a verifier, then its draft) with kernel-backed twins where the kernels
     can run them; the models given are unchanged. `memo` (id(original) -> copy, see
     `workbench.variants.copy_modules`) lets a draft share an already accelerated verifier's
     modules. `weights` packs the twins' linears in the models' dtype ("native") or in int8
-    ("int8", "int8-b32": `cpu.WEIGHTS`). Raises RuntimeError where the kernels cannot run here
+    ("int8", "int8-b32": `cpu.WEIGHTS`). `stack` (default: `stack_default()`) makes a verifier whose
+    layers all have twins a `KernelVerifier`; False leaves it a `Verifier` over its layers' twins
+    (the per-module path, which the stack's tests compare against). Raises RuntimeError where the kernels cannot run here
     (`cpu.status()` says why)."""
     cpu.check_weights(weights)
     if not cpu.available():
         raise RuntimeError(f"workbench.kernels.cpu_modules.accelerate: the CPU kernels cannot run here: {cpu.status()}")
     memo = {} if memo is None else memo  # one copy of a module both models hold (the draft borrows the lm_head)
+    stack = stack_default() if stack is None else stack
     with torch.no_grad():
-        return tuple(copy_modules(m, lambda module, name: _kernel_twin(module, name, weights), memo) for m in models)
+        out = tuple(copy_modules(m, lambda module, name: _kernel_twin(module, name, weights), memo) for m in models)
+        if stack:
+            for m in out:
+                if type(m) is Verifier:
+                    KernelVerifier.of(m)  # in place: the memo and a draft borrowing its modules still hold it
+        return out
