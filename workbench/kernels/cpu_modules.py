@@ -334,7 +334,9 @@ class KernelVerifier(Verifier):
     """A verifier whose forward, where the kernels serve it (eager inference on the CPU with a cache,
     in the stack's dtype, up to `cpu.MAX_ROWS` tokens a sequence and `cpu.MAX_BATCH_ROWS` in all), is
     the embedding, each token's RoPE rows and one `cpu.DecoderStack` call over every layer's twins'
-    plans; any other call is `Verifier.forward` over the twins, one module at a time."""
+    plans; any other call is `Verifier.forward` over the twins, one module at a time. The stack
+    holds the twins' plans, norms and eps as they were at `accelerate` (as the twins do): change a
+    setting on the plain model and accelerate it again. `aux_layer_ids` may be set on it."""
 
     @classmethod
     def of(cls, v: Verifier) -> "KernelVerifier | None":
@@ -368,7 +370,8 @@ class KernelVerifier(Verifier):
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, positions: Tensor | None = None,
                 logits_to_keep: int = 0, path: str = "auto") -> VerifierOutput:
         stack = self.stack
-        if cache is None or path == "naive" or logits_to_keep < 0 or torch.is_grad_enabled():
+        if (cache is None or path == "naive" or logits_to_keep < 0 or not input_ids.shape[-1]
+                or torch.is_grad_enabled()):
             return super().forward(input_ids, cache, positions, logits_to_keep, path)
         h = self.model.embed_tokens(input_ids)
         rows = cache.rows
