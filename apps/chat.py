@@ -34,9 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--draft", help="draft checkpoint dir (default: the embedded draft)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    ap.add_argument("--weights", default="native", choices=["native", "int8", "int8-b32"],
+    ap.add_argument("--weights", default="native", choices=["native", "int8", "int8-b32", "bf16"],
                     help="the CPU kernels' weights: in --dtype, or int8 (a scale per output channel, or per "
-                         "output channel and 32 inputs)")
+                         "output channel and 32 inputs), or bf16 under fp32 activations")
     ap.add_argument("--port", type=int, default=7860)
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     ap.add_argument("--share", action="store_true", help="open a public Gradio share link (off by default)")

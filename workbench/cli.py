@@ -35,10 +35,11 @@ def _pair_args(p: argparse.ArgumentParser, dtype_default: str | None = "float32"
                    help="the path the models run on: the CPU kernels (auto, where they run), torch.compile'd "
                         "per-token graphs (minutes to start on a small CPU), or plain PyTorch")
     p.add_argument("--compile", action="store_true", help="the same as --fast compile")
-    p.add_argument("--weights", default="native", choices=["native", "int8", "int8-b32"],
+    p.add_argument("--weights", default="native", choices=["native", "int8", "int8-b32", "bf16"],
                    help="how the CPU kernels hold the linears' weights: in --dtype (native), or in int8 with a "
                         "scale per output channel (int8) or per output channel and 32 inputs (int8-b32), "
-                        "activations staying in --dtype; int8 needs the CPU kernels")
+                        "activations staying in --dtype, or in bf16 under fp32 activations (bf16, with --dtype "
+                        "float32; with bfloat16 it is native); these need the CPU kernels")
 
 
 def _fused_arg(p: argparse.ArgumentParser) -> None:
@@ -474,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "mid-token or in whitespace")
     p.add_argument("--agreement", default="auto", choices=["auto", "on", "off"],
                    help="also decode each prompt with the fp32 pair (native weights, untimed) and report how far "
-                        "the greedy continuations agree (auto: with int8 --weights)")
+                        "the greedy continuations agree (auto: with int8 or bf16 --weights)")
     _fused_arg(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_bench)

@@ -16,8 +16,10 @@ it means the plain path.
 `weights` is how the CPU kernels hold the linears' weights: "native" (the models' dtype), or
 int8 ("int8": a scale per output channel; "int8-b32": a scale per output channel and 32 inputs),
 quantised once when the pair is accelerated, the activations staying in the models' dtype
-(`workbench.kernels.cpu`). int8 weights exist only on the CPU kernels: asking for them elsewhere
-is an error, never a silent fall back to the plain weights.
+(`workbench.kernels.cpu`); or "bf16" for fp32 models: the weights rounded to bf16 once, the
+activations, norms, attention and sums staying fp32 (for bf16 models "bf16" is their own weights,
+"native"). Packed weights exist only on the CPU kernels: asking for them elsewhere is an error,
+never a silent fall back to the plain weights.
 """
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ from dataclasses import dataclass
 import torch
 
 FAST = ("auto", "cpu", "compile", "off")
-WEIGHTS = ("native", "int8", "int8-b32")  # = workbench.kernels.cpu.WEIGHTS (imported lazily there)
+WEIGHTS = ("native", "int8", "int8-b32", "bf16")  # = workbench.kernels.cpu.WEIGHTS (imported lazily there)
 _WEIGHTS_TEXT = {"int8": "int8 weights (a scale per output channel)",
-                 "int8-b32": "int8 weights (a scale per output channel and 32 inputs)"}
+                 "int8-b32": "int8 weights (a scale per output channel and 32 inputs)",
+                 "bf16": "bf16 weights, fp32 activations"}
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class FastPath:
     name: str  # "cpu" | "compile" | "off"
     attention: str  # the absorbed attention's backend where the plain modules run: "torch" | "triton"
     why: str
-    weights: str = "native"  # the CPU kernels' weights: "native" | "int8" | "int8-b32"
+    weights: str = "native"  # the CPU kernels' weights: "native" | "int8" | "int8-b32" | "bf16"
 
     def describe(self) -> str:
         what = {"cpu": "CPU kernels", "compile": "torch.compile", "off": "plain PyTorch"}[self.name]
@@ -61,6 +64,8 @@ def choose(fast: str, device: torch.device | str, dtype: torch.dtype, attention:
         raise ValueError(f"weights = {weights!r}; expected one of {', '.join(WEIGHTS)}")
     device = torch.device(device)
     attention = resolve_backend(attention, device)
+    if weights == "bf16" and dtype == torch.bfloat16:
+        weights = "native"  # a bf16 model's weights are bf16 already: its native path
     if weights != "native":
         return _quantised(fast, device, dtype, attention, weights)
     if attention == "triton":
@@ -84,7 +89,7 @@ def choose(fast: str, device: torch.device | str, dtype: torch.dtype, attention:
 
 
 def _quantised(fast: str, device: torch.device, dtype: torch.dtype, attention: str, weights: str) -> FastPath:
-    """The CPU kernels with int8 weights, or why they cannot be had (no other path holds int8)."""
+    """The CPU kernels with packed weights (int8, bf16), or why they cannot be had (no other path holds them)."""
     from workbench.kernels import cpu
 
     asked = f"weights = {weights!r} needs the CPU kernels"
@@ -94,6 +99,8 @@ def _quantised(fast: str, device: torch.device, dtype: torch.dtype, attention: s
         raise ValueError(f"{asked}, which run their own attention; attention 'triton' runs the plain weights")
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         raise RuntimeError(f"{asked}: they take fp32 or bf16 activations on the CPU, not {dtype} on {device}")
+    if weights == "bf16" and dtype != torch.float32:
+        raise RuntimeError(f"{asked} and fp32 activations, not {dtype}")
     if not cpu.available():
         raise RuntimeError(f"{asked}: they cannot run here: {cpu.status()}")
     return FastPath("cpu", "torch", f"asked for (weights {weights!r}); {cpu.status(with_threads=False)}", weights)

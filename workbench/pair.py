@@ -258,8 +258,8 @@ class ModelPair:
 
     @property
     def weights(self) -> str:
-        """How the running models hold their linears' weights: "native", or "int8" / "int8-b32" on
-        the CPU kernels (`workbench.fast`); the plain models keep theirs."""
+        """How the running models hold their linears' weights: "native", or "int8" / "int8-b32" /
+        "bf16" (an fp32 pair's, rounded) on the CPU kernels (`workbench.fast`); the plain models keep theirs."""
         return self.path.weights
 
     def _on(self, path: FastPath, verifier: Verifier | None = None, draft: Eagle3Draft | None = None,
@@ -277,7 +277,7 @@ class ModelPair:
 
     def with_weights(self, weights: str) -> "ModelPair":
         """The same plain models on the CPU kernels with their linears' weights as `weights` says
-        ("native", "int8", "int8-b32"), quantised afresh from the plain weights."""
+        ("native", "int8", "int8-b32", "bf16"), quantised afresh from the plain weights."""
         return self.with_path("cpu" if self.path.name == "cpu" else "auto", "torch", weights)
 
     def with_attention(self, attention: str) -> "ModelPair":
@@ -343,7 +343,8 @@ def load_pair(verifier: str | Path | None = None, draft: str | Path | None = Non
     `fast` picks the path the models run on ("auto", "cpu", "compile", "off"; `workbench.fast`),
     `attention` the absorbed attention's backend where the plain modules run, `weights` how the
     CPU kernels hold the linears' weights: "native" (the dtype's), or "int8" / "int8-b32"
-    (quantised once here, activations in `dtype`; only on the CPU kernels).
+    (quantised once here, activations in `dtype`; only on the CPU kernels), or "bf16" (an fp32
+    pair's weights rounded to bf16 once, everything else fp32; a bf16 pair's is "native").
     """
     from workbench.tokenizer import Tokenizer
 

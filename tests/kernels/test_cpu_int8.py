@@ -127,7 +127,7 @@ def test_the_packed_weights_are_within_half_a_scale(weights):
 
 def test_bad_weight_types_and_calls_refuse():
     W, x = torch.randn(40, 32), torch.randn(2, 32)
-    with pytest.raises(ValueError, match="weights = 'int4'; expected one of native, int8, int8-b32"):
+    with pytest.raises(ValueError, match="weights = 'int4'; expected one of native, int8, int8-b32, bf16"):
         cpu.PackedLinear(W, "int4")
     with pytest.raises(ValueError, match="activations are torch.bfloat16"):
         cpu.PackedLinear(W, "int8")(x.bfloat16())

@@ -23,7 +23,7 @@ from workbench.kernels.cpu_modules import KernelVerifier, StaleWeightsError, acc
 from workbench.models.verifier import Verifier
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels: {cpu.status()}")
-WEIGHTS = ("native", "int8", "int8-b32")
+WEIGHTS = ("native", "int8", "int8-b32", "bf16")
 
 
 class Counting:

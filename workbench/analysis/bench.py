@@ -20,7 +20,7 @@ count, the accept length over the clean continuations, the per-request mean and 
 by decode position beside the pooled figure. It warns about prompts that look random and calls a
 draft below accept length 1.2 dead.
 
-A pair whose kernels hold int8 weights (`ModelPair.weights`) computes other logits than the
+A pair whose kernels hold int8 or bf16 weights (`ModelPair.weights`) computes other logits than the
 models it was quantised from, so its speed comes with its greedy agreement with the fp32 pair on
 the same prompts (`greedy_agreement`): how many continuations are identical, and how many of the
 fp32 tokens come before the first difference. Losslessness is judged as ever, against plain

@@ -22,7 +22,10 @@ run torch's own operations. `status()` says which, and why, and the kernels' thr
 Weights are packed in the activations' dtype, or in int8 (`WEIGHTS`: "int8" with an fp32 scale
 per output channel, "int8-b32" with one per output channel and 32 inputs, llama.cpp's Q8_0
 granularity): weight-only quantisation, the activations in fp32 or bf16 and the sums in fp32
-(`PackedLinear`, `quantise_int8`).
+(`PackedLinear`, `quantise_int8`). "bf16" packs an fp32 model's weights in bf16 (rounded once,
+to nearest even) for fp32 activations: each is widened back as it is read, so the result is the
+fp32 kernel's over the rounded weights, for half the weight traffic; with bf16 activations it is
+the native packing.
 
 A verifier's whole decoder stack (every layer's norms, attention block, FFN block and residual
 adds, the final norm and the lm_head) is one more call, `DecoderStack`, over the layers' plans.
@@ -50,9 +53,10 @@ MAX_ROWS = 128  # tokens per sequence a call takes: a decode, a verify of k+1 <=
 MAX_BATCH_ROWS = 1024  # tokens per call over every sequence of a batch (64 requests verifying 16 each)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # The weight formats a PackedLinear takes: "native" packs W in the activations' dtype (its weight
-# type is the dtype's code); the int8 ones are weight types 2 and 3 of cpu_kernels.cpp.
-WEIGHTS = ("native", "int8", "int8-b32")
-_WTYPES = {"int8": 2, "int8-b32": 3}
+# type is the dtype's code); the int8 ones are weight types 2 and 3 of cpu_kernels.cpp, "bf16"
+# under fp32 activations weight type 4 (under bf16 ones it is "native").
+WEIGHTS = ("native", "int8", "int8-b32", "bf16")
+_WTYPES = {"int8": 2, "int8-b32": 3, "bf16": 4}
 QK = 32  # inputs per scale of "int8-b32" (cpu_kernels.cpp's QK)
 _ISA_NAMES = {1: "AVX2+FMA", 2: "AVX-512", 3: "AVX512-BF16"}  # wb_isa()'s answers that serve
 _lock = threading.Lock()
@@ -270,6 +274,8 @@ class PackedLinear:
 
     "native" weights in dtype: fp32 as [N/16][K][16], bf16 as [N/16][K/2][16][2] (pairs of k per
     lane, AVX512-BF16's dot-product layout), rows past N and a column past an odd K zero.
+    "bf16" under fp32 activations: the weight rounded to bf16 (nearest even) as [N/16][K][16],
+    widened back to fp32 in the kernel; under bf16 activations it is "native" (`weights` says so).
     "int8" and "int8-b32" (`quantise_int8` of the weight in fp32, whatever its dtype): int8 as
     [N/16][K][16] with fp32 scales [N/16][S][16], S = 1 or ceil(K / 32); padded rows have scale 0."""
 
@@ -279,11 +285,19 @@ class PackedLinear:
         if dtype not in _DTYPES or w.dim() != 2 or not w.is_floating_point():
             raise ValueError(f"PackedLinear: expected a 2-D float weight and fp32 or bf16 activations, got "
                              f"{w.dtype} {tuple(w.shape)} and {dtype}")
-        self.weights = check_weights(weights)
+        if check_weights(weights) == "bf16" and dtype == torch.bfloat16:
+            weights = "native"  # bf16 weights under bf16 activations: the native packing
+        self.weights = weights
         self.out_features, self.in_features = N, K = w.shape
         self.dtype = dtype
         Np = (N + 15) // 16 * 16
         self.scale: Tensor | None = None
+        if weights == "bf16":
+            padded = torch.zeros(Np, K, dtype=torch.bfloat16)
+            padded[:N] = w.float()  # fp32 -> bf16: round to nearest even, once
+            self.data = padded.view(Np // 16, 16, K).transpose(1, 2).contiguous()
+            self.wtype, self.k_padded = _WTYPES[weights], K
+            return
         if weights != "native":
             q, scale = quantise_int8(w, QK if weights == "int8-b32" else None)
             pad = torch.nn.functional.pad
@@ -324,7 +338,7 @@ class PackedLinear:
         packed weight itself."""
         N, K = self.out_features, self.in_features
         if self.scale is None:
-            if self.dtype == torch.bfloat16:
+            if self.dtype == torch.bfloat16 and self.weights == "native":
                 return self.data.permute(0, 2, 1, 3).reshape(-1, self.k_padded)[:N, :K].float()
             return self.data.transpose(1, 2).reshape(-1, K)[:N].float()
         q, scale = self.int8()

@@ -5,7 +5,8 @@
 // step is overhead, not arithmetic. These kernels do a layer's pieces in a handful of calls:
 //
 //   wb_linear     y = x W^T (+ residual), W packed once into blocks of 16 outputs
-//   wb_linear_w   the same with W in int8 and fp32 scales (or in the activations' dtype)
+//   wb_linear_w   the same with W in int8 and fp32 scales, in bf16 under fp32 activations (or in
+//                 the activations' dtype)
 //   wb_rms_norm   RMSNorm, statistics in fp32
 //   wb_rope       rotary embedding from a projection's two halves
 //   wb_attention  absorbed-MLA attention of T new tokens over one sequence's latent cache rows
@@ -34,10 +35,14 @@
 //
 // Weight types (wb_linear_w and the blocks' plans): 0 and 1 the activations' own fp32 or bf16; 2
 // int8 with an fp32 scale per output; 3 int8 with an fp32 scale per output and 32 k's (the
-// granularity of llama.cpp's Q8_0). int8 weights are weight-only quantisation: the activations stay
-// in their dtype (bf16 ones are widened to fp32, exactly, once per call), each weight is widened
-// to fp32 as it is read, and the sums are fp32 fmas over k in order, as for fp32 weights. No
-// integer dot products (VNNI, AMX): those would need the activations in int8 too.
+// granularity of llama.cpp's Q8_0); 4 bf16 under fp32 activations. int8 weights are weight-only
+// quantisation: the activations stay in their dtype (bf16 ones are widened to fp32, exactly, once
+// per call), each weight is widened to fp32 as it is read, and the sums are fp32 fmas over k in
+// order, as for fp32 weights. No integer dot products (VNNI, AMX): those would need the
+// activations in int8 too. bf16 weights (4) likewise: each is widened to fp32 (exactly, a 16-bit
+// shift) and fma'd with the fp32 activations, so the result is the fp32 kernel's over the
+// bf16-rounded weights, bit for bit, for half of fp32's weight traffic (not vdpbf16ps, which
+// would round the activations to bf16).
 //
 // Built for AVX-512 (F, BW, VL; vdpbf16ps with AVX512-BF16) and for AVX2+FMA CPUs; wb_isa() is 0
 // elsewhere and the Python side then uses torch's own operations. The kernels are written once,
@@ -525,7 +530,8 @@ inline V16 exp_neg(V16 x) {
 
 // ---- linear -------------------------------------------------------------------------------
 // fp32 W is packed [N/16][K][16]; bf16 W [N/16][K/2][16][2] (k-pairs per lane, vdpbf16ps's
-// layout; K is padded to even); int8 W [N/16][K][16] with fp32 scales [N/16][KS][16], KS = 1 (a
+// layout; K is padded to even); bf16 W under fp32 activations (wtype 4) [N/16][K][16]; int8 W
+// [N/16][K][16] with fp32 scales [N/16][KS][16], KS = 1 (a
 // scale per output) or ceil(K/32) (one per output and 32 k's). Columns of NB blocks (16*NB
 // outputs) by up to 4 rows, in tiles of MB rows by up to tile_blocks(MB) blocks: the weights
 // are read once for those rows, and each output accumulates over k in order, so the tiling
@@ -536,16 +542,20 @@ constexpr int NB = 4;
 
 constexpr int tile_blocks(int MB) { return WB_AVX512 ? NB : MB <= 2 ? NB / MB : 1; }
 
-// acc[m][at + b] for rows m < MB, blocks b < B
-template <int MB, int B>
-void tile_f32(const float* __restrict w, size_t bstride, const float* __restrict x, int K, int at,
+inline V16 load_w(const float* p) { return loadf(p); }
+inline V16 load_w(const uint16_t* p) { return bf16_to_v16(p); }  // bf16 weights widened exactly
+
+// acc[m][at + b] for rows m < MB, blocks b < B: fp32 weights, or bf16 ones (wtype 4) widened to
+// fp32 as they are read, with the same fmas in the same order
+template <int MB, int B, class WT>
+void tile_f32(const WT* __restrict w, size_t bstride, const float* __restrict x, int K, int at,
               V16 (&acc)[4][NB]) {
     V16 sum[MB][B];
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) sum[m][b] = zero();
     for (int k = 0; k < K; ++k) {
         V16 wv[B];
-        for (int b = 0; b < B; ++b) wv[b] = loadf(w + b * bstride + size_t(k) * 16);
+        for (int b = 0; b < B; ++b) wv[b] = load_w(w + b * bstride + size_t(k) * 16);
 #if WB_AVX2  // several rows: keep the weights in registers (GCC would fold them into each row's fma
             // as a memory operand, and AVX2's loads would then outnumber its fmas)
         if constexpr (MB > 1)
@@ -632,7 +642,10 @@ void run_blocks(const void* w, size_t bstride, const float* s, size_t sstride, c
                 V16 (&acc)[4][NB]) {
     if constexpr (B > 1)
         if (blocks < B) return run_blocks<MB, WT, TB, B - 1>(w, bstride, s, sstride, x, K, blocks, at, acc);
-    if constexpr (WT >= 2)
+    if constexpr (WT == 4)
+        tile_f32<MB, B>(static_cast<const uint16_t*>(w) + at * bstride, bstride, static_cast<const float*>(x), K, at,
+                        acc);
+    else if constexpr (WT >= 2)
         tile_i8<MB, B, WT == 3>(static_cast<const int8_t*>(w) + at * bstride, bstride, s + at * sstride, sstride,
                                 static_cast<const float*>(x), K, at, acc);
     else if constexpr (WT == 1)
@@ -650,6 +663,7 @@ void run_rows(const void* w, size_t bstride, const float* s, size_t sstride, con
         case 0: return run_blocks<MB, 0>(w, bstride, s, sstride, x, K, blocks, 0, acc);
         case 1: return run_blocks<MB, 1>(w, bstride, s, sstride, x, K, blocks, 0, acc);
         case 2: return run_blocks<MB, 2>(w, bstride, s, sstride, x, K, blocks, 0, acc);
+        case 4: return run_blocks<MB, 4>(w, bstride, s, sstride, x, K, blocks, 0, acc);
         default: return run_blocks<MB, 3>(w, bstride, s, sstride, x, K, blocks, 0, acc);
     }
 }
@@ -658,10 +672,10 @@ void run_rows(const void* w, size_t bstride, const float* s, size_t sstride, con
 inline size_t scale_stride(int K, int wtype) { return wtype == 3 ? size_t((K + QK - 1) / QK) * 16 : 16; }
 
 // bytes per element of a weight type
-inline size_t weight_size(int wtype) { return wtype == 0 ? 4 : wtype == 1 ? 2 : 1; }
+inline size_t weight_size(int wtype) { return wtype == 0 ? 4 : wtype == 1 || wtype == 4 ? 2 : 1; }
 
 // wb_linear_w over the columns of NB blocks g0..g1-1: a thread's share, tiled as one thread tiles
-// it. x is fp32 for int8 weights (wtype 2, 3), else in dtype.
+// it. x is fp32 for int8 weights (wtype 2, 3), else in dtype (fp32 for bf16 weights, wtype 4).
 void linear_columns(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
                     int dtype, int wtype, int g0, int g1) {
     const size_t wsize = weight_size(wtype), xsize = wtype >= 2 || !dtype ? 4 : 2;
@@ -706,13 +720,14 @@ void linear_columns(const void* w, const float* s, const void* x, void* y, const
 extern "C" {
 
 // y [M, N] = x [M, K] W^T (+ residual [M, N]); x, y, residual are row-major in `dtype`; W packed
-// in weight type `wtype` (dtype itself, or int8: 2, 3, with its scales `s`); K even for bf16 W.
+// in weight type `wtype` (dtype itself, int8: 2, 3, with its scales `s`, or bf16 under fp32
+// activations: 4); K even for bf16 W in a bf16 call (wtype 1).
 // The columns of NB blocks are split over the pool's threads in contiguous ranges. Returns -2
 // for a weight type this dtype cannot take.
 int wb_linear_w(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
                 int dtype, int wtype) {
 #if WB_SIMD
-    if (wtype != dtype && !(wtype >= 2 && wtype <= 3 && s)) return -2;
+    if (wtype != dtype && !(wtype >= 2 && wtype <= 3 && s) && !(wtype == 4 && dtype == 0)) return -2;
     const void* xs = x;
     if (wtype >= 2 && dtype) {  // bf16 activations widened once (exactly) for the int8 tiles
         thread_local std::vector<float> widened;
@@ -975,7 +990,7 @@ struct MlaPlan {
     const void* kv_norm;
     float q_eps, kv_eps, scale;
     int in_features, hidden, q_lora, N, L, R, dtype;
-    int wtype;                                   // the three weights' type (dtype, or int8: 2, 3)
+    int wtype;                                   // the three weights' type (dtype, int8: 2, 3, or bf16: 4)
     const float *s_a, *s_q, *s_o;                // their scales (int8), else null
 };
 
@@ -986,7 +1001,7 @@ struct FfnPlan {
     const float* bias;      // [E]
     int hidden, groups, inter, experts, n_group, topk_group, top_k, norm, sigmoid, dtype;
     float scaling;
-    int wtype;                          // both weights' type (dtype, or int8: 2, 3)
+    int wtype;                          // both weights' type (dtype, int8: 2, 3, or bf16: 4)
     const float *s_gate_up, *s_down;    // their scales (int8), else null
 };
 
@@ -1141,7 +1156,7 @@ struct EaglePlan {
     const void* sin;
     float input_eps, hidden_eps, post_eps, final_eps;
     int hidden, draft_vocab, limit, norm_before_residual, norm_output, dtype;
-    int head_wtype;            // the head's weight type (dtype, or int8: 2, 3)
+    int head_wtype;            // the head's weight type (dtype, int8: 2, 3, or bf16: 4)
     const float* head_scale;   // its scales (int8), else null
 };
 
