@@ -250,3 +250,9 @@ def test_cli_bench_with_int8_weights_reports_them_and_their_agreement_with_fp32(
     assert agreement_text(a) in text and " weights=int8 " in text
     assert main(common + ["--weights", "int8", "--fast", "off"]) == 2
     assert "weights = 'int8' needs the CPU kernels; fast = 'off'" in capsys.readouterr().err
+    # bf16 weights under fp32 activations report themselves and their agreement alike
+    assert main(common + ["--weights", "bf16", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["weights"] == r["engine"]["weights"] == "bf16" and "bf16 weights, fp32 activations" in r["fast_path"]
+    assert r["lossless"] and r["identical"]
+    assert (r["agreement_with_fp32"]["weights"], r["agreement_with_fp32"]["dtype"]) == ("bf16", "float32")

@@ -180,7 +180,8 @@ def test_a_bf16_weight_pair_agrees_with_the_fp32_pair_on_most_prompts(embedded_p
     """On eight of the bench's prompts, 48 tokens each: most continuations identical to the fp32
     pair's, and nearly every token picked alike when fed its text. (Loose bounds: measured here
     8 of 8 identical, 100% of tokens; the bf16 pair, whose activations round too, 1 of 8 and 42%
-    of the fp32 tokens before the first difference.)"""
+    of the fp32 tokens before the first difference. The embedded checkpoint is stored in bf16, so
+    here only the absorbed MLA products round; the random pairs above test weights that do.)"""
     from workbench.analysis.bench import greedy_agreement
     from workbench.cli import REPO, read_prompts
 

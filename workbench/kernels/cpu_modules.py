@@ -33,7 +33,9 @@ and the draft's fc. Norms, routers (fp32) and embeddings stay as they are, and s
 models: a call the kernels do not serve (autograd, a prompt over `cpu.MAX_ROWS` tokens) runs the
 plain module with its own weights. An MoE's down projection is one matrix over every expert's
 columns: "int8" gives each of its output rows one scale across the experts, "int8-b32" one per 32
-columns, which stay within an expert where its width is a multiple of 32.
+columns, which stay within an expert where its width is a multiple of 32. `weights="bf16"` packs
+the same linears of fp32 models in bf16 (rounded once, from fp32, as the absorbed products are
+formed), everything else staying fp32; for bf16 models it is their native packing.
 """
 from __future__ import annotations
 
@@ -426,8 +428,8 @@ def accelerate(*models: nn.Module, memo: dict | None = None, weights: str = "nat
     """Copies of `models` (a verifier, then its draft) with kernel-backed twins where the kernels
     can run them; the models given are unchanged. `memo` (id(original) -> copy, see
     `workbench.variants.copy_modules`) lets a draft share an already accelerated verifier's
-    modules. `weights` packs the twins' linears in the models' dtype ("native") or in int8
-    ("int8", "int8-b32": `cpu.WEIGHTS`). `stack` (default: `stack_default()`) makes a verifier whose
+    modules. `weights` packs the twins' linears in the models' dtype ("native"), in int8
+    ("int8", "int8-b32") or in bf16 under fp32 activations ("bf16"; `cpu.WEIGHTS`). `stack` (default: `stack_default()`) makes a verifier whose
     layers all have twins a `KernelVerifier`; False leaves it a `Verifier` over its layers' twins
     (the per-module path, which the stack's tests compare against). Raises RuntimeError where the kernels cannot run here
     (`cpu.status()` says why)."""
