@@ -148,14 +148,15 @@ def test_outputs_for_vllm(copy_pair):
 
 
 def test_a_baseline_slower_than_its_own_forwards_is_a_measurement_error(copy_pair, monkeypatch):
-    """A baseline whose wall time is inflated 4x past its forwards (a stalled, cold or preempted run) makes
-    every speedup exceed accept_length x t_decode / t_verify: the points are set aside, not reported."""
+    """A baseline whose wall time is inflated 20x past its forwards (a stalled, cold or preempted run) makes
+    every speedup exceed accept_length x t_decode / t_verify: the points are set aside, not reported. (20x,
+    not less: on a loaded machine the speculative arm's own runs can stall a few times over too.)"""
     real = sweep_module.generate_autoregressive
 
     def stalled(*args, **kwargs):
         res = real(*args, **kwargs)
         prefill = sum(e.verify_time for e in res.events if e.kind == "prefill")
-        res.stats.elapsed = prefill + 4 * (res.stats.elapsed - prefill)
+        res.stats.elapsed = prefill + 20 * (res.stats.elapsed - prefill)
         return res
 
     monkeypatch.setattr(sweep_module, "generate_autoregressive", stalled)
