@@ -50,20 +50,21 @@ CHAIN_IDS = [5, 9, 200, 31, 7, 77, 3]
 
 
 def draft_chain_runs(pair, draft=None, ids=CHAIN_IDS, k: int = 4) -> dict[str, tuple]:
-    """The accelerated draft's greedy chain three ways: its one-call chain ("chain"), the same chain
-    pass by pass through the twins' kernels ("passes": the model's own greedy_chain over them) and
-    the plain draft's ("plain"), after a verifier prefill of `ids`: name -> (tokens, probs, cache)."""
+    """The accelerated draft's greedy chain three ways: its one-call chain ("chain": the kernels'
+    `run_greedy_chain`), the engine's Python chain pass by pass through the twins' kernels ("passes":
+    `greedy_chain` over them) and over the plain draft ("plain"), after a verifier prefill of `ids`:
+    name -> (tokens, probs, cache)."""
     import torch
 
-    from workbench.models.draft import Eagle3Draft
+    from workbench.decoding.drafters import greedy_chain
 
     v, d, plain = pair.verifier, draft or pair.draft, pair.reference().draft
     with torch.inference_mode():
         out = v(torch.tensor([ids]), v.new_cache(64))
         x = torch.tensor([ids[1:] + [42]])
         runs = {}
-        for name, chain in (("chain", d.greedy_chain), ("passes", lambda *a: Eagle3Draft.greedy_chain(d, *a)),
-                            ("plain", plain.greedy_chain)):
+        for name, chain in (("chain", lambda *a: d.run_greedy_chain(greedy_chain, *a)),
+                            ("passes", lambda *a: greedy_chain(d, *a)), ("plain", lambda *a: greedy_chain(plain, *a))):
             cache = d.new_cache(64)
             runs[name] = chain(x, out.aux_hidden_states, cache, k) + (cache,)
     runs["aux"], runs["x"] = out.aux_hidden_states, x

@@ -46,7 +46,7 @@ def test_compiled_tokens_equal_eager_and_lossless(pairs):
             fused = wb.SpecDecoder(compiled, k)
             assert fused.generate(prompt, 24).tokens == ref and fused.fused.calls > 0, (prompt, k)
             assert wb.SpecDecoder(compiled, k, fused=False).generate(prompt, 24).tokens == ref, (prompt, k)
-    assert compiled.verifier.forward.calls["compiled"] > 0 and compiled.draft.greedy_chain.calls["compiled"] > 0
+    assert compiled.verifier.forward.calls["compiled"] > 0 and compiled.draft.run_greedy_chain.calls["compiled"] > 0
 
 
 def test_a_batch_of_different_lengths_decodes_on_a_compiled_pair(pairs):
@@ -81,20 +81,20 @@ def test_a_long_prompt_keeps_the_draft_chain_compiled(pairs):
     want = wb.generate_autoregressive(eager, prompt, 24).tokens
     dec = wb.SpecDecoder(compiled, 3, fused=False)
     dec.generate(PROMPTS[0], 8)
-    before, verifier_before = dict(compiled.draft.greedy_chain.calls), dict(compiled.verifier.forward.calls)
+    before, verifier_before = dict(compiled.draft.run_greedy_chain.calls), dict(compiled.verifier.forward.calls)
     out = dec.generate(prompt, 24)  # called with grad enabled, as the bench and the chat call it
     steps = sum(e.kind == "spec" for e in out.events)
-    calls = compiled.draft.greedy_chain.calls
+    calls = compiled.draft.run_greedy_chain.calls
     assert calls["eager"] == before["eager"] and calls["compiled"] == before["compiled"] + steps
     # the prefill eagerly, every step's verify through the graph (a graph runs only without grad)
     verifier_calls = compiled.verifier.forward.calls
     assert verifier_calls == {"eager": verifier_before["eager"] + 1, "compiled": verifier_before["compiled"] + steps}
     assert out.tokens == want
     fused = wb.SpecDecoder(compiled, 3)  # fused: one call of its graph per step, and one for the prompt's last position
-    before, fused_before = dict(compiled.draft.greedy_chain.calls), fused.fused.calls
+    before, fused_before = dict(compiled.draft.run_greedy_chain.calls), fused.fused.calls
     out = fused.generate(prompt, 24)
     assert fused.fused.calls == fused_before + 1 + sum(e.kind == "spec" for e in out.events)
-    assert compiled.draft.greedy_chain.calls == before and out.tokens == want
+    assert compiled.draft.run_greedy_chain.calls == before and out.tokens == want
 
 
 def test_compiled_pair_keeps_eager_for_training_and_prefill(pairs):

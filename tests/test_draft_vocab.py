@@ -10,6 +10,7 @@ from tests.test_engine import ID_PROMPTS, autoregressive, random_pair
 
 import workbench as wb
 from workbench.analysis.doctor import static_checks
+from workbench.decoding.drafters import greedy_chain
 from workbench.pair import save_model
 from workbench.training.draft_vocab import count_tokens, main, reduce_draft_vocab, select_tokens
 
@@ -63,7 +64,7 @@ def _check_restricted(pair):
         tokens.append(int(p.argmax())), probs.append(float(p.max()))
         if i + 1 < k:
             post, state = full(torch.tensor([[tokens[-1]]]), state[:, -1:], c_full)
-    chain, chain_probs = small.greedy_chain(ids, hidden, c_small, k)
+    chain, chain_probs = greedy_chain(small, ids, hidden, c_small, k)
     assert chain[0].tolist() == tokens and all(t in keep for t in tokens)
     torch.testing.assert_close(chain_probs[0], torch.tensor(probs), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(c_small.valid(), c_full.valid(), rtol=0, atol=0)

@@ -403,14 +403,19 @@ def test_stream_runs_without_autograd_whatever_the_caller(embedded_pair, propose
     experts through the training loop, and the bench compared speculation paying that against a
     baseline that did not. Between events the caller's own mode is back. (The greedy chain may run
     as one CPU-kernel call rather than through the draft's modules, so it is watched too.)"""
+    from workbench.decoding import drafters
+
     seen = []
     hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: seen.append((name,
                                                                                   torch.is_inference_mode_enabled())))
              for name, model in (("verifier", embedded_pair.verifier), ("draft", embedded_pair.draft))
              for m in model.modules()]
-    chain = embedded_pair.draft.greedy_chain
-    monkeypatch.setattr(embedded_pair.draft, "greedy_chain", lambda *a, **kw: (
-        seen.append(("draft", torch.is_inference_mode_enabled())), chain(*a, **kw))[1])
+    def watched(f):
+        return lambda *a, **kw: (seen.append(("draft", torch.is_inference_mode_enabled())), f(*a, **kw))[1]
+
+    monkeypatch.setattr(drafters, "greedy_chain", watched(drafters.greedy_chain))
+    if hasattr(embedded_pair.draft, "run_greedy_chain"):  # the CPU kernels' one call
+        monkeypatch.setattr(embedded_pair.draft, "run_greedy_chain", watched(embedded_pair.draft.run_greedy_chain))
     try:
         assert torch.is_grad_enabled()
         dec = wb.SpecDecoder(embedded_pair, 3, proposer=proposer)
@@ -452,7 +457,9 @@ def test_stats_follow_the_events(embedded_pair):
 
 @pytest.mark.parametrize("attention", ["mla", "mha"])
 def test_greedy_chain_is_the_step_by_step_draft(attention):
-    """`Eagle3Draft.greedy_chain` (one call, argmaxes kept on the device) = first pass + k-1 single steps."""
+    """The engine's `greedy_chain` (argmaxes kept on the device) = first pass + k-1 single steps."""
+    from workbench.decoding.drafters import greedy_chain
+
     pair = random_pair(seed=2, attention=attention)
     draft, k = pair.draft, 4
     with torch.inference_mode():
@@ -460,7 +467,7 @@ def test_greedy_chain_is_the_step_by_step_draft(attention):
         ids = torch.tensor([ID_PROMPTS[2][1:] + [int(out.logits[0, -1].argmax())]])
         hidden = draft.combine_hidden_states(out.aux_hidden_states)
         c1, c2 = draft.new_cache(64), draft.new_cache(64)
-        chain, probs = draft.greedy_chain(ids, hidden, c1, k)
+        chain, probs = greedy_chain(draft, ids, hidden, c1, k)
         post, state = draft(ids, hidden, c2)
         tokens, ps = [], []
         for i in range(k):
@@ -469,7 +476,7 @@ def test_greedy_chain_is_the_step_by_step_draft(attention):
             if i + 1 < k:
                 post, state = draft(torch.tensor([[tokens[-1]]]), state[:, -1:], c2)
         c3 = draft.new_cache(64)  # unfused aux states: the chain runs fc itself (the proposer's call)
-        chain_aux, probs_aux = draft.greedy_chain(ids, out.aux_hidden_states, c3, k)
+        chain_aux, probs_aux = greedy_chain(draft, ids, out.aux_hidden_states, c3, k)
     assert chain[0].tolist() == tokens and c1.length == c2.length == ids.shape[1] + k - 1
     torch.testing.assert_close(probs[0], torch.tensor(ps), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(c1.rows[:, :, : c1.length], c2.rows[:, :, : c2.length], rtol=0, atol=0)

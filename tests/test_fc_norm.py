@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import workbench as wb
 from tests.helpers import EMBEDDED, draft_chain_runs, make_random_pair
 from workbench.config import ConfigError, DraftConfig
+from workbench.decoding.drafters import greedy_chain
 from workbench.kernels import cpu
 from workbench.models import Eagle3Draft
 from workbench.pair import save_model
@@ -123,7 +124,7 @@ def test_the_kernel_chain_equals_the_plain_model_with_fc_norm(dirs):
         with torch.inference_mode():
             off = pair.variant(draft={"fc_norm": REMOVED}).draft  # the same draft without its norms
             off_cache = off.new_cache(64)
-            off.greedy_chain(runs["x"], runs["aux"], off_cache, 4)
+            off.run_greedy_chain(greedy_chain, runs["x"], runs["aux"], off_cache, 4)
         (t1, p1, c1), (t2, p2, c2), (t3, p3, c3) = runs["chain"], runs["passes"], runs["plain"]
         assert torch.equal(t1, t2) and torch.equal(p1, p2) and torch.equal(c1.valid(), c2.valid()), dt
         if dt == "float32":
@@ -194,7 +195,7 @@ def test_the_compiled_chain_runs_fc_norm(dirs):
     with torch.inference_mode():
         out = pair.verifier(torch.tensor([ids]), pair.verifier.new_cache(64))
         x = torch.tensor([ids[1:] + [42]])
-        got = fast.greedy_chain(x, out.aux_hidden_states, fast.new_cache(64), 3)
-        want = pair.draft.greedy_chain(x, out.aux_hidden_states, pair.draft.new_cache(64), 3)
+        got = fast.run_greedy_chain(greedy_chain, x, out.aux_hidden_states, fast.new_cache(64), 3)
+        want = greedy_chain(pair.draft, x, out.aux_hidden_states, pair.draft.new_cache(64), 3)
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)

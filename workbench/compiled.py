@@ -1,9 +1,10 @@
 """torch.compile as a transform of a plain model: `compile_models(verifier, draft)`.
 
 gpt-fast's recipe, on the CPU too: the forwards that run once per token (a decode or a verify of
-up to `ABSORB_MAX_TOKENS` over the cache, and the draft's greedy chain with its fc) run compiled
-graphs, with inductor's `freezing` (every weight a constant), its C++ GEMMs over weights packed
-once (`gemm_backends`) and its C++ wrapper; prefill and training stay eager.
+up to `ABSORB_MAX_TOKENS` over the cache, and the engine's greedy chain over the draft with its
+fc: `CompiledChain`) run compiled graphs, with inductor's `freezing` (every weight a constant),
+its C++ GEMMs over weights packed once (`gemm_backends`) and its C++ wrapper; prefill and
+training stay eager.
 
 One graph per model serves every number of new tokens, 1 included (dynamic, size-oblivious
 shapes), so a 1-token decode and a k+1-token verify run the same kernels and round each row alike,
@@ -38,7 +39,7 @@ from workbench.models.mla import ABSORB_MAX_TOKENS, LatentAttention
 from workbench.models.moe import MoE
 from workbench.variants import copy_modules
 
-__all__ = ["CompiledForward", "compile_function", "compile_models", "gemm_backends", "graphs_serve",
+__all__ = ["CompiledChain", "CompiledForward", "compile_function", "compile_models", "gemm_backends", "graphs_serve",
            "is_compiled", "weights_digest"]
 
 
@@ -150,7 +151,8 @@ def graphs_serve(cache, num_new: int) -> bool:
 
 
 class CompiledForward:
-    """Stands in for `model.forward`: the compiled graph for small cached inference steps, eager otherwise."""
+    """Stands in for `model.forward` (or a draft's bound greedy chain, `CompiledChain`): the compiled
+    graph for small cached inference steps, eager otherwise."""
 
     def __init__(self, fn) -> None:
         import torch._inductor.config  # noqa: F401  (the `freezing` switch; here, not at import: it pulls in Triton)
@@ -188,6 +190,24 @@ class CompiledForward:
         if keep:
             out = dataclasses.replace(out, logits=out.logits[:, -keep:], hidden_states=out.hidden_states[:, -keep:])
         return out
+
+
+class CompiledChain:
+    """A compiled draft's way to run the engine's greedy chain (`workbench.decoding.drafters.greedy_chain`,
+    handed in with its arguments after the draft): one graph where `graphs_serve`, eagerly elsewhere.
+    The graph is compiled on first use, one per draft copy (its weights are the graph's constants)."""
+
+    def __init__(self, draft: nn.Module) -> None:
+        self.draft, self.graphs = draft, {}
+
+    def __call__(self, chain, *args):
+        if chain not in self.graphs:  # the chain as a method of this draft, as a model's forward is compiled
+            self.graphs[chain] = CompiledForward(types.MethodType(chain, self.draft))
+        return self.graphs[chain](*args)
+
+    @property
+    def calls(self) -> dict[str, int]:
+        return {kind: sum(g.calls[kind] for g in self.graphs.values()) for kind in ("compiled", "eager")}
 
 
 def _contiguous(value):
@@ -327,8 +347,8 @@ def compile_models(*models: torch.nn.Module, memo: dict | None = None) -> tuple[
     out = tuple(copy_modules(m, _compile_twin, memo) for m in models)
     for model in out:
         model.forward = CompiledForward(model.forward)
-        if hasattr(model, "greedy_chain"):  # a draft's k greedy steps, one graph
-            model.greedy_chain = CompiledForward(model.greedy_chain)
+        if hasattr(model, "draft_pass"):  # a draft: the engine's greedy chain, k passes and argmaxes in one graph
+            model.run_greedy_chain = CompiledChain(model)
     return out
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import workbench as wb
 from tests.helpers import CHAIN_IDS, draft_chain_runs
+from workbench.decoding.drafters import greedy_chain
 from workbench.kernels import cpu
 from workbench.kernels.cpu_modules import RopeTables, rope_rows
 from workbench.kernels.reference import mla_attention_torch
@@ -126,7 +127,8 @@ def kernel_outputs(pair, seed: int = 0) -> list:
         out = v(torch.tensor([[5, 9, 200, 31, 7, 77, 3]]), cache)
         outs += [out.logits, v(torch.tensor([[11, 12, 13, 14]]), cache).logits, cache.valid()]
         dcache = d.new_cache(64)
-        outs += list(d.greedy_chain(torch.tensor([[9, 200, 31, 7, 77, 3, 42]]), out.aux_hidden_states, dcache, 4))
+        outs += list(d.run_greedy_chain(greedy_chain, torch.tensor([[9, 200, 31, 7, 77, 3, 42]]), out.aux_hidden_states,
+                                        dcache, 4))
         outs.append(dcache.valid())
     return [t.detach().clone() for t in outs]
 
@@ -299,9 +301,10 @@ def test_verifier_steps_equal_the_torch_path_and_rows_do_not_depend_on_the_call(
 
 
 def test_the_draft_chain_in_one_call_equals_its_passes_and_the_plain_model(pairs):
-    """The kernel twin's one-call chain, the same chain pass by pass through the twins' kernels (the
-    models' own greedy_chain over the accelerated modules), and the plain draft: equal (bit for bit
-    between the two kernel runs, fp32 to 1e-5 against the plain model)."""
+    """The kernel twin's one-call chain (`wb_eagle_chain`), the engine's Python chain pass by pass
+    through the twins' kernels (`greedy_chain` over the accelerated modules), and the Python chain
+    over the plain draft: equal (bit for bit between the two kernel runs, fp32 to 1e-5 against the
+    plain model)."""
     from workbench.models.draft import Eagle3Draft
 
     for dt, pair in pairs.items():
@@ -357,10 +360,11 @@ def test_a_batch_of_ragged_sequences_gives_each_its_own_bits(pairs):
 def test_a_ragged_draft_chain_of_a_batch_equals_each_sequences_chain(pairs):
     """The one-call chain over B sequences, each with its own number of new positions (padded) and
     cache length: each sequence's proposals, probabilities and draft rows equal its chain alone (bit
-    for bit); stopped early below a probability, it stops where each sequence's own chain would
-    (the torch path, the plain model, stops at the same step)."""
+    for bit), and equal the engine's Python chain with the same `counts` through the twins (bit for
+    bit: `wb_eagle_chain` is its transform); stopped early below a probability, both stop where each
+    sequence's own chain would, as the Python chain over the plain model does (fp32: its tokens)."""
     for dt, pair in pairs.items():
-        v, d = pair.verifier, pair.draft
+        v, d, plain = pair.verifier, pair.draft, pair.reference().draft
         with torch.inference_mode():
             outs = [v(torch.tensor([ids]), v.new_cache(96)) for ids in PROMPTS]
             counts = [3, 1, 2, 4]
@@ -369,23 +373,38 @@ def test_a_ragged_draft_chain_of_a_batch_equals_each_sequences_chain(pairs):
             aux = tuple(torch.cat([F.pad(o.aux_hidden_states[i][:, -n:], (0, 0, 0, T - n)) for o, n in zip(outs, counts)])
                         for i in range(3))
             starts = [len(p) - n for p, n in zip(PROMPTS, counts)]
-            cache = d.new_cache(96, batch=4)
-            cache.set_lengths(starts)
-            tokens, probs = d.greedy_chain(ids, aux, cache, 4, counts=counts)
+
+            def run(draft, chain, stop_below=None):
+                cache = draft.new_cache(96, batch=4)
+                cache.set_lengths(starts)
+                return (*chain(draft, ids, aux, cache, 4, counts, stop_below), cache)
+
+            def kernel(draft, *args):
+                return draft.run_greedy_chain(greedy_chain, *args)
+
+            tokens, probs, cache = run(d, kernel)
             for b, (n, s) in enumerate(zip(counts, starts)):
                 one = d.new_cache(96)
                 one.length = s
-                t1, p1 = d.greedy_chain(ids[b:b + 1, :n], tuple(a[b:b + 1, :n] for a in aux), one, 4)
+                t1, p1 = d.run_greedy_chain(greedy_chain, ids[b:b + 1, :n], tuple(a[b:b + 1, :n] for a in aux), one, 4)
                 assert torch.equal(tokens[b], t1[0]) and torch.equal(probs[b], p1[0]), (dt, b)
                 assert cache.lengths[b] == one.length == s + n + 3
                 assert torch.equal(cache.rows[0, b, :one.length], one.rows[0, 0, :one.length])
+            t_py, p_py, c_py = run(d, greedy_chain)  # the Python chain through the twins
+            assert torch.equal(t_py, tokens) and torch.equal(p_py, probs) and c_py.lengths == cache.lengths, dt
+            assert all(torch.equal(c_py.rows[0, b, :n], cache.rows[0, b, :n]) for b, n in enumerate(cache.lengths))
+            if dt == "float32":
+                t_plain, p_plain, _ = run(plain, greedy_chain)
+                assert torch.equal(t_plain, tokens)
+                torch.testing.assert_close(p_plain, probs, rtol=1e-5, atol=1e-6)
             threshold = float(probs[:, 1:].max()) + 1e-6  # every sequence unsure by its second proposal
-            early, plain = d.new_cache(96, batch=4), d.new_cache(96, batch=4)
-            early.set_lengths(starts), plain.set_lengths(starts)
-            t_e, p_e = d.greedy_chain(ids, aux, early, 4, counts=counts, stop_below=threshold)
-            t_p, _ = pair.reference().draft.greedy_chain(ids, aux, plain, 4, counts=counts, stop_below=threshold)
-            assert t_e.shape[1] == t_p.shape[1] <= 2 and torch.equal(t_e, tokens[:, :t_e.shape[1]])
-            assert early.lengths == plain.lengths == [s + n + t_e.shape[1] - 1 for s, n in zip(starts, counts)]
+            t_e, p_e, early = run(d, kernel, threshold)
+            t_q, p_q, python = run(d, greedy_chain, threshold)
+            t_p, _, on_plain = run(plain, greedy_chain, threshold)
+            assert t_e.shape[1] == t_q.shape[1] == t_p.shape[1] <= 2 and torch.equal(t_e, tokens[:, :t_e.shape[1]])
+            assert torch.equal(t_q, t_e) and torch.equal(p_q, p_e)
+            assert early.lengths == python.lengths == on_plain.lengths == [s + n + t_e.shape[1] - 1
+                                                                            for s, n in zip(starts, counts)]
 
 
 def test_packed_weights_are_checked_and_variants_are_repacked(pairs, tmp_path):
@@ -427,8 +446,8 @@ def test_packed_weights_are_checked_and_variants_are_repacked(pairs, tmp_path):
         fast, slow = again.variant(draft=change).draft, again.reference().variant(draft=change).draft
         assert type(fast).__name__ == "KernelEagle3Draft", change
         with torch.inference_mode():
-            got = fast.greedy_chain(ids, aux, fast.new_cache(16), 3)
-            want = slow.greedy_chain(ids, aux, slow.new_cache(16), 3)
+            got = fast.run_greedy_chain(greedy_chain, ids, aux, fast.new_cache(16), 3)
+            want = greedy_chain(slow, ids, aux, slow.new_cache(16), 3)
         assert torch.equal(got[0], want[0]), change
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
 

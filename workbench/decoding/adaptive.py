@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from workbench.decoding.stats import Line  # the step-cost model's least-squares line
+from workbench.decoding.stats import Line, expected_accept_length  # Line: the step-cost model's fit; E(k)
 
 
 class KPolicy(Protocol):
@@ -162,16 +162,6 @@ class StepCosts:
         return (1 - w) * self._at(lo, k) + w * self._at(hi, k)
 
 
-def expected_tokens(rates: Sequence[float], k: int) -> float:
-    """E(k) = 1 + sum_j prod_{i<j} rates[i]: tokens a step emits with k proposals, from the
-    conditional acceptance at each position (the bonus or correction included)."""
-    total, reach = 1.0, 1.0
-    for i in range(k):
-        reach *= rates[min(i, len(rates) - 1)]
-        total += reach
-    return total
-
-
 class GoodputEMA(StaticK):
     """k = argmax over k of sum_r E_r(k) / cost(B, k), E_r from an exponential moving average of
     request r's conditional acceptance at each draft position (`alpha` the newest step's weight):
@@ -196,8 +186,8 @@ class GoodputEMA(StaticK):
         out = [0] * len(rids)
         for rows in groups:
             top = min(max(caps[i] for i in rows), self.k_max)
-            best = max(range(top + 1), key=lambda j: (sum(expected_tokens(rates[i], min(j, caps[i])) for i in rows)
-                                                      / self.costs(batch_size, j), -j))
+            best = max(range(top + 1), key=lambda j: (sum(expected_accept_length(rates[i], min(j, caps[i]))
+                                                          for i in rows) / self.costs(batch_size, j), -j))
             for i in rows:
                 out[i] = min(best, caps[i])
                 if out[i] == 0:  # nothing will be observed: forget a little, so that a later step tries again

@@ -10,8 +10,9 @@ row lives on the row (`seen`, `aux`, `base`, `upcoming`), so the engine can put 
 repeat it (`BatchDecoder.mark`). The EAGLE drafter is vLLM's chain EAGLE-3 (eagle3_mla.md §5.4):
 a first pass over each row's newly verified positions with tokens shifted left by one (position j
 gets token j+1 and the fused verifier state of j), then k-1 single-token steps, each feeding back
-the draft's own state. Rows past a first pass's end are provisional: the next first pass truncates
-to the verified length and rewrites them. `NgramDrafter` is prompt lookup (no model).
+the draft's own state: `greedy_chain`, the one greedy chain (the fused step's too). Rows past a
+first pass's end are provisional: the next first pass truncates to the verified length and
+rewrites them. `NgramDrafter` is prompt lookup (no model).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from workbench.cache import KVCache
 from workbench.decoding.sampling import probs_from_logits, sample
 
 
@@ -47,12 +49,50 @@ class Drafter(Protocol):
     def reserve(self, max_len: int) -> None: ...
 
 
+def greedy_chain(draft, input_ids: torch.Tensor, hidden: torch.Tensor | tuple[torch.Tensor, ...], cache: KVCache,
+                 k: int, counts: list[int] | None = None, stop_below: float | None = None,
+                 at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy chain, the only one in Python: the draft's first pass over input_ids [B, T] (with the
+    fused state [B, T, H], or the verifier's aux states for fc to fuse), then k-1 passes each over the
+    last argmax, with no trip to the host between them -> proposals [B, k], each one's probability [B, k].
+    A fast path runs it its own way through its draft's `run_greedy_chain` (the CPU kernels'
+    `wb_eagle_chain` is its C++ transform; a compiled pair, one graph of it). The engine's modes:
+    `counts` (rows padded to T): sequence b's first counts[b] positions are real, its cache ends after
+    them and its chain continues from its row counts[b]-1. `stop_below`: the chain ends once every
+    sequence has proposed a token below that probability (a host read per step). `at` (the fused
+    step, one sequence): continue from row `at`, a 0-d tensor only the device knows, at the positions
+    after it (`Eagle3Draft.forward_at`); the caller then sets the cache's length.
+    """
+    (B, T), start = input_ids.shape, cache.lengths
+    post, state = draft.draft_pass(input_ids, hidden if isinstance(hidden, torch.Tensor)
+                                   else draft.combine_hidden_states(hidden), cache)
+    if at is None:  # each sequence's cache ends after its own new positions
+        counts = counts or [T] * B
+        cache.set_lengths([s + n for s, n in zip(start, counts)])
+    last = torch.tensor(counts, device=input_ids.device) - 1 if at is None else at.reshape(1)
+    rows = torch.arange(len(last), device=input_ids.device)  # a static count (in a graph, B may be symbolic)
+    post, state = post[rows, last][:, None], state[rows, last][:, None]
+    tokens, probs, unsure = [], [], None
+    for i in range(k):
+        t, p = draft.greedy_pick(post)
+        tokens.append(t), probs.append(p)
+        if stop_below is not None:  # a host read per step: only adaptive policies ask for it
+            unsure = (p < stop_below) if unsure is None else unsure | (p < stop_below)
+            if bool(unsure.all()):
+                break
+        if i + 1 < k and at is None:
+            post, state = draft.draft_pass(t, state, cache)
+        elif i + 1 < k:  # at positions only the device knows, reading rows up to the chain's end
+            post, state = draft.forward_at(t, state, cache, start[0] + at + 1 + i, start[0] + T + k - 1)
+    return torch.cat(tokens, 1), torch.cat(probs, 1)
+
+
 class EagleDrafter:
     """EAGLE-3 chain drafting with an MLA (or MHA) draft layer: row b's draft cache is slot b.
 
-    Greedy rows (vLLM's EAGLE: argmaxes, q one-hot) draft together in one call,
-    `Eagle3Draft.greedy_chain` with each row's count of new positions; a row that samples its
-    drafts (`draft_sampling="sample"` at temperature > 0) draws them with its own generator and
+    Greedy rows (vLLM's EAGLE: argmaxes, q one-hot) draft together in one `greedy_chain` with each
+    row's count of new positions, run the fast path's way where the draft has one; a row that samples
+    its drafts (`draft_sampling="sample"` at temperature > 0) draws them with its own generator and
     keeps each q for rejection sampling.
     """
 
@@ -97,7 +137,8 @@ class EagleDrafter:
         if all(not r.sampled_draft for r in rows):
             out = self._greedy(rows, ks, self.cache.view(0, len(rows)), stop_below)
         else:  # each row alone, in its own slot
-            out = [(self._sampled if r.sampled_draft else self._greedy1)(r, k, self.cache.view(b), stop_below)
+            out = [self._sampled(r, k, self.cache.view(b)) if r.sampled_draft
+                   else self._greedy([r], [k], self.cache.view(b), stop_below)[0]
                    for b, (r, k) in enumerate(zip(rows, ks))]
         for r in rows:
             r.seen, r.aux = len(r.verified) - 1, ()
@@ -117,13 +158,11 @@ class EagleDrafter:
         ids, aux, counts = self._new(rows)
         # Within the cache: a chain writes k - 1 provisional rows past each row's first pass.
         k = min(max(ks), self.cache.max_len - max(n + c for n, c in zip(cache.lengths, counts)) + 1)
-        tokens, probs = self.draft.greedy_chain(ids, aux, cache, k, counts=counts, stop_below=stop_below)
+        run = getattr(self.draft, "run_greedy_chain", lambda chain, *a: chain(self.draft, *a))  # a fast path's own way
+        tokens, probs = run(greedy_chain, ids, aux, cache, k, counts, stop_below)
         return [Proposal(t[:kb], None, p[:kb]) for t, p, kb in zip(tokens.tolist(), probs.tolist(), ks)]
 
-    def _greedy1(self, row, k: int, cache, stop_below: float | None) -> Proposal:
-        return self._greedy([row], [k], cache, stop_below)[0]
-
-    def _sampled(self, row, k: int, cache, stop_below: float | None) -> Proposal:
+    def _sampled(self, row, k: int, cache) -> Proposal:
         """k proposals, each sampled from the draft's q (after the row's temperature, top-k, top-p) with the
         row's generator; q is kept for rejection sampling."""
         cache.length = row.seen - row.base

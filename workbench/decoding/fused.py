@@ -9,10 +9,10 @@ acceptance runs on the device, and the draft's first pass covers every one of th
 positions with the verifier's own argmaxes as its tokens. For each position up to the accepted
 count the argmax *is* the next verified token (an accepted proposal, then the correction or
 the bonus), and the rows after it are never read before the next step's first pass overwrites
-them; the chain continues from the accepted count's row, at positions only the device knows
-(`Eagle3Draft.forward_at`). The host reads one small result per step. The same call, over the
-prompt's last position, makes the first proposal after a prefill. `FusedDrafter` is this as the
-engine's drafter for one row (`workbench.decoding.batch`).
+them; the chain (the drafter's `greedy_chain`) continues from the accepted count's row, at
+positions only the device knows. The host reads one small result per step. The same call, over
+the prompt's last position, makes the first proposal after a prefill. `FusedDrafter` is this as
+the engine's drafter for one row (`workbench.decoding.batch`).
 
 Greedy only: rejection sampling draws from the host's generator between the two halves.
 """
@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from workbench.cache import KVCache
-from workbench.decoding.drafters import Proposal
+from workbench.decoding.drafters import Proposal, greedy_chain
 from workbench.decoding.sampling import GreedyAcceptor, Verdict, nonfinite_error
 
 
@@ -57,25 +57,8 @@ def accept_and_draft(draft, logits: torch.Tensor, aux: tuple[torch.Tensor, ...],
     p_proposals = probs[:-1].gather(1, x[0, 1:, None])[:, 0]
     p_target = probs.gather(1, target[:, None])[:, 0]
     finite = torch.isfinite(logits.amax(-1)).all()
-    proposals, q = _chain_after(draft, target[None], aux, dcache, k, accepted)
+    proposals, q = greedy_chain(draft, target[None], aux, dcache, k, at=accepted)
     return torch.cat([accepted[None], target, proposals[0]]), torch.cat([p_proposals, p_target, q[0]]), finite
-
-
-def _chain_after(draft, ids: torch.Tensor, aux, dcache: KVCache, k: int, accepted: torch.Tensor):
-    """`Eagle3Draft.greedy_chain`'s first pass over ids [1, T], continued from row `accepted` (a 0-d
-    tensor) rather than the last: the k-1 steps write at start + accepted + 1 + i, positions only
-    the device knows (`forward_at`); rows after the accepted one are left for the next first pass."""
-    start, T = dcache.length, ids.shape[1]
-    post, state = draft.draft_pass(ids, draft.combine_hidden_states(aux), dcache)
-    row = accepted.reshape(1)
-    post, state = post.index_select(1, row), state.index_select(1, row)
-    tokens, probs = [], []
-    for i in range(k):
-        t, p = draft.greedy_pick(post)
-        tokens.append(t), probs.append(p)
-        if i + 1 < k:
-            post, state = draft.forward_at(t, state, dcache, start + accepted + 1 + i, start + T + k - 1)
-    return torch.cat(tokens, 1), torch.cat(probs, 1)
 
 
 _FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # draft -> its compiled accept_and_draft

@@ -98,24 +98,25 @@ def compute_stats(
             per_pos[i] += 1
         for i in range(min(e.num_accepted + 1, e.k)):  # positions whose predecessors were all accepted
             reached[i] += 1
-    uncond, cond = position_rates(per_pos, drafts_at, reached)
     prefill = [e for e in events if e.kind == "prefill"]
-    stats = GenerationStats(
-        num_drafts=drafts,
-        num_draft_tokens=draft_tokens,
-        num_accepted_tokens=accepted,
-        accepted_per_pos=per_pos,
-        accept_length=1.0 + _ratio(accepted, drafts),
-        per_position_acceptance=uncond,
-        conditional_acceptance=cond,
-        accepted_length_histogram=hist,
-        draft_time=sum(e.draft_time for e in spec),
-        verify_time=sum(e.verify_time for e in events if e.kind != "prefill"),
-        prefill_time=sum(e.draft_time + e.verify_time for e in prefill),
-    )
+    stats = _counted(drafts, draft_tokens, accepted, per_pos, drafts_at, reached, hist,
+                     draft_time=sum(e.draft_time for e in spec),
+                     verify_time=sum(e.verify_time for e in events if e.kind != "prefill"),
+                     prefill_time=sum(e.draft_time + e.verify_time for e in prefill))
     if num_tokens is None:
         num_tokens = sum(len(e.emitted) for e in events)
     return _with_throughput(stats, elapsed, num_tokens)
+
+
+def _counted(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int], drafts_at: list[int],
+             reached: list[int], hist: list[int], **times: float) -> GenerationStats:
+    """Stats from counted steps: vLLM's counters, each position's rates over the steps that proposed
+    it (`drafts_at`) and that reached it (`reached`), and the times (draft, verify, prefill)."""
+    uncond, cond = position_rates(per_pos, drafts_at, reached)
+    return GenerationStats(num_drafts=drafts, num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
+                           accepted_per_pos=per_pos, accept_length=1.0 + _ratio(accepted, drafts),
+                           per_position_acceptance=uncond, conditional_acceptance=cond,
+                           accepted_length_histogram=hist, **times)
 
 
 def _with_throughput(stats: GenerationStats, elapsed: float | None, num_tokens: int) -> GenerationStats:
@@ -180,22 +181,9 @@ def merge_stats(stats: list[GenerationStats]) -> GenerationStats:
                 f"merge_stats: stats[{n}] mixed k and accepted nothing at position {i}, so how many of its steps "
                 f"proposed position {i} is unknown; merge the events with compute_stats(events) instead"
             )
-    uncond, cond = position_rates(per_pos, drafts_at, reached)
-    drafts = sum(s.num_drafts for s in stats)
-    accepted = sum(s.num_accepted_tokens for s in stats)
-    merged = GenerationStats(
-        num_drafts=drafts,
-        num_draft_tokens=sum(s.num_draft_tokens for s in stats),
-        num_accepted_tokens=accepted,
-        accepted_per_pos=per_pos,
-        accept_length=1.0 + _ratio(accepted, drafts),
-        per_position_acceptance=uncond,
-        conditional_acceptance=cond,
-        accepted_length_histogram=hist,
-        draft_time=sum(s.draft_time for s in stats),
-        verify_time=sum(s.verify_time for s in stats),
-        prefill_time=sum(s.prefill_time for s in stats),
-    )
+    merged = _counted(sum(s.num_drafts for s in stats), sum(s.num_draft_tokens for s in stats),
+                      sum(s.num_accepted_tokens for s in stats), per_pos, drafts_at, reached, hist,
+                      **{t: sum(getattr(s, t) for s in stats) for t in ("draft_time", "verify_time", "prefill_time")})
     return _with_throughput(merged, sum(s.elapsed for s in stats), sum(s.num_tokens for s in stats))
 
 

@@ -567,7 +567,7 @@ class EagleChain:
     """An EAGLE-3 MLA draft's greedy chain in one call (`wb_eagle_chain`): from the fused state (fc
     over the verifier's aux states), the first pass over T new positions, k-1 passes each fed the
     last state and the previous proposal, and each head's argmax (through d2t) with its softmax
-    probability: what `Eagle3Draft.greedy_chain` computes, pass by pass the same kernels (so the
+    probability: what the engine's `greedy_chain` computes, pass by pass the same kernels (so the
     same bits)."""
 
     def __init__(self, attn: MlaBlock, mlp: FfnBlock, norms: Sequence[tuple[Tensor, float]], embed: Tensor,

@@ -14,7 +14,7 @@ goes to the model's own forward, which is also what the tests compare each twin 
 | MoE (few experts)  | KernelMoE               | routing, every expert weighted (zeros unchosen), shared experts |
 | RMSNorm            | KernelRMSNorm           | the norm                                             |
 | lm_head, fc        | KernelLinear            | the projection                                       |
-| Eagle3Draft (MLA)  | KernelEagle3Draft       | `greedy_chain`: first pass, k-1 passes and argmaxes  |
+| Eagle3Draft (MLA)  | KernelEagle3Draft       | the engine's greedy chain: first pass, k-1 passes and argmaxes |
 | Verifier           | KernelVerifier          | `forward` after the embedding: every layer (norms, the two blocks, residual adds, aux captures), the final norm, the lm_head |
 
 A `KernelVerifier` is made where every layer's attention and FFN have twins; the calls it does not
@@ -283,19 +283,23 @@ class KernelEagle3Draft(Eagle3Draft):
 
     def greedy_pick(self, post: Tensor) -> tuple[Tensor, Tensor]:
         head = self.part("lm_head")
-        if post.shape[0] == 1 and isinstance(head, KernelLinear) and cpu.serves(post):  # one pass over the row
-            mx, (d,), lse = cpu.row_stats(head(post.to(head.weight.dtype))[0])
+        if isinstance(head, KernelLinear) and cpu.serves(post):  # one pass over each sequence's row, as the chain's
+            mx, d, lse = cpu.row_stats(head(post.to(head.weight.dtype)).reshape(post.shape[0], -1))
             if self.d2t_list is not None:
-                d += self.d2t_list[d]
-            return torch.tensor([[d]], device=post.device), torch.tensor([[math.exp(mx[0] - lse[0])]])
+                d = [i + self.d2t_list[i] for i in d]
+            probs = [math.exp(m - s) for m, s in zip(mx, lse)]
+            return torch.tensor(d, device=post.device)[:, None], torch.tensor(probs)[:, None]
         return super().greedy_pick(post)
 
-    def greedy_chain(self, input_ids: Tensor, hidden, cache: KVCache, k: int, counts: list[int] | None = None,
-                     stop_below: float | None = None) -> tuple[Tensor, Tensor]:
-        chain = self._chain(cache.max_len)
+    def run_greedy_chain(self, chain, input_ids: Tensor, hidden, cache: KVCache, k: int,
+                         counts: list[int] | None = None, stop_below: float | None = None) -> tuple[Tensor, Tensor]:
+        """The engine's greedy chain (`chain`: `workbench.decoding.drafters.greedy_chain`, its arguments
+        after the draft) in one call of its C++ transform, `wb_eagle_chain`; `chain` itself where the
+        kernels do not serve it."""
+        kernel = self._chain(cache.max_len)
         h = hidden[0] if isinstance(hidden, (tuple, list)) else hidden
-        if chain is None or h.dtype != chain.dtype or not cpu.serves(h, rows=input_ids.shape[1]):
-            return super().greedy_chain(input_ids, hidden, cache, k, counts, stop_below)
+        if kernel is None or h.dtype != kernel.dtype or not cpu.serves(h, rows=input_ids.shape[1]):
+            return chain(self, input_ids, hidden, cache, k, counts, stop_below)
         B, T = input_ids.shape
         starts = cache.lengths
         cache.check_room(T + k - 1)
@@ -306,7 +310,7 @@ class KernelEagle3Draft(Eagle3Draft):
         else:
             real = torch.arange(T) < torch.tensor(counts)[:, None]  # [B, T]: each sequence's own positions
             ids, hidden = input_ids[real], hidden[real]
-        tokens, probs = chain(ids, hidden, cache.layer(0), starts, k, counts, stop_below)
+        tokens, probs = kernel(ids, hidden, cache.layer(0), starts, k, counts, stop_below)
         cache.set_lengths([s + n + tokens.shape[1] - 1 for s, n in zip(starts, counts)])
         return tokens.to(input_ids.device), probs
 

@@ -173,7 +173,7 @@ class Eagle3Draft(nn.Module):
 
     def draft_pass(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache | None = None,
                    positions: torch.Tensor | None = None, path: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`'s body, which `greedy_chain` calls directly (a fast path may wrap forward alone)."""
+        """`forward`'s body, which the engine's greedy chain calls directly (a fast path may wrap forward alone)."""
         T = input_ids.shape[1]
         if cache is not None:
             cache.check_room(T)
@@ -223,40 +223,3 @@ class Eagle3Draft(nn.Module):
         d = logits.argmax(-1)
         p = logits.softmax(-1).gather(-1, d[..., None])[..., 0]
         return (d + self.d2t[d] if hasattr(self, "d2t") else d), p
-
-    def greedy_chain(self, input_ids: torch.Tensor, hidden: torch.Tensor | tuple[torch.Tensor, ...],
-                     cache: KVCache, k: int, counts: list[int] | None = None,
-                     stop_below: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first pass plus k-1 greedy steps with no trip to the host between them.
-
-        `hidden` is the fused state [B, T, H], or the verifier's aux states (a tuple), which `fc`
-        then fuses here. Returns proposals [B, k] and each one's draft probability [B, k] (softmax
-        of its logits). Every step reads the previous argmax as a tensor, so a traced chain is one
-        graph. The chain continues from the first pass's last row (the fused step's chain, which
-        continues from a row only the device knows, is `workbench.decoding.fused.accept_and_draft`).
-
-        `counts` (a batch whose sequences have different numbers of new positions, padded to T):
-        sequence b's first counts[b] positions are real; its cache ends after them and its chain
-        continues from its row counts[b]-1 (the padding's rows lie past its length, unseen by it).
-        `stop_below`: the chain ends early once every sequence has proposed a token whose probability
-        is below it (an adaptive policy verifies nothing after such a token): fewer than k columns.
-        """
-        if isinstance(hidden, (tuple, list)):
-            hidden = self.combine_hidden_states(hidden)
-        starts = cache.lengths
-        post, state = self.draft_pass(input_ids, hidden, cache)
-        if counts is not None:
-            cache.set_lengths([s + n for s, n in zip(starts, counts)])
-            rows, seqs = torch.tensor(counts, device=post.device) - 1, torch.arange(len(counts), device=post.device)
-            post, state = post[seqs, rows][:, None], state[seqs, rows][:, None]
-        tokens, probs, unsure = [], [], None
-        for i in range(k):
-            t, p = self.greedy_pick(post[:, -1:])
-            tokens.append(t), probs.append(p)
-            if stop_below is not None:  # a host read per step: only adaptive policies ask for it
-                unsure = (p < stop_below) if unsure is None else unsure | (p < stop_below)
-                if bool(unsure.all()):
-                    break
-            if i + 1 < k:
-                post, state = self.draft_pass(t, state[:, -1:], cache)
-        return torch.cat(tokens, 1), torch.cat(probs, 1)
