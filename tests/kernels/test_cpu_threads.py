@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import workbench as wb
+from workbench.decoding.drafters import greedy_chain
 from tests.kernels.test_cpu_kernels import PROMPTS, _ragged_batch, build, load_build
 from workbench.analysis.doctor import path_check
 from workbench.kernels import cpu
@@ -113,7 +114,8 @@ def model_outputs(pair) -> list:
         big, _ = _ragged_batch(v, PROMPTS)
         batch = v(torch.tensor([[11, 12, 13, 14]] * 2 + [[90, 91, 92, 93], [2, 3, 5, 7]]), big)
         dcache = d.new_cache(64)
-        chain = d.greedy_chain(torch.tensor([[9, 200, 31, 7, 77, 3, 42]]), first.aux_hidden_states, dcache, 4)
+        run = getattr(d, "run_greedy_chain", lambda chain, *a: chain(d, *a))  # as the engine runs it (drafters.py)
+        chain = run(greedy_chain, torch.tensor([[9, 200, 31, 7, 77, 3, 42]]), first.aux_hidden_states, dcache, 4)
     return [first.logits, *first.aux_hidden_states, verify.logits, cache.valid(), batch.logits, big.rows,
             *chain, dcache.valid()]
 
