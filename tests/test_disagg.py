@@ -11,7 +11,7 @@ import workbench as wb
 from tests.helpers import REAL, REPO
 from workbench.config import DraftConfig, VerifierConfig
 from workbench.analysis.kvcache import handover_bytes
-from workbench.decoding.disagg import MODES, Packed, decode_instance, prefill_instance
+from workbench.analysis.disagg import MODES, Packed, decode_instance, prefill_instance
 
 PROMPT = 'import json\n\n\ndef load_config(path):\n    """Read a JSON config file and return a dict."""'
 

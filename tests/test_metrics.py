@@ -1,4 +1,4 @@
-"""Acceptance metrics from StepEvents, merging, and the tokens a step emits at a given k."""
+"""Acceptance metrics from StepEvents, and the tokens a step emits at a given k."""
 import json
 import math
 
@@ -6,13 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workbench.decoding.stats import (
-    compute_stats,
-    counter_rates,
-    expected_accept_length,
-    merge_stats,
-    stats_table,
-)
+from workbench.analysis.sweep import stats_table
+from workbench.decoding.stats import compute_stats, counter_rates, expected_accept_length
 from workbench.decoding.events import StepEvent
 
 
@@ -128,37 +123,6 @@ def test_bad_events_are_named():
         compute_stats([StepEvent(step=2, kind="verify")])
     with pytest.raises(ValueError, match="elapsed"):
         compute_stats(run([(1, 1)]), elapsed=-1.0)
-
-
-def same(a, b):
-    da, db = a.to_dict(), b.to_dict()
-    assert da.keys() == db.keys()
-    for key in da:
-        assert da[key] == pytest.approx(db[key]), key
-
-
-def test_merge_equals_stats_of_all_events():
-    a, b = [(2, 1), (2, 2), (2, 0)], [(4, 4), (4, 1)]
-    merged = merge_stats([compute_stats(run(a)), compute_stats(run(b))])
-    same(merged, compute_stats(run(a) + run(b)))
-    assert merged.accepted_per_pos == [4, 2, 1, 1]
-    assert merged.per_position_acceptance == pytest.approx([4 / 5, 2 / 5, 1 / 2, 1 / 2])
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 5), st.lists(st.integers(0, 5), max_size=8)), min_size=1, max_size=4))
-def test_merge_property_one_k_per_input(runs):
-    parts = [run([(k, min(a, k)) for a in acc]) for k, acc in runs]
-    same(merge_stats([compute_stats(p) for p in parts]), compute_stats([e for p in parts for e in p]))
-
-
-def test_merge_mixed_k_inputs():
-    mixed, other = [(3, 3), (1, 1)], [(3, 2), (3, 0)]  # mixed: every position accepted at least once
-    same(merge_stats([compute_stats(run(mixed)), compute_stats(run(other))]), compute_stats(run(mixed) + run(other)))
-    blind = [(3, 0), (1, 0)]  # mixed and never accepted: its per-position step counts are lost
-    with pytest.raises(ValueError, match=r"stats\[0\] mixed k .* position 0"):
-        merge_stats([compute_stats(run(blind)), compute_stats(run([(3, 3)]))])
-    assert merge_stats([]).accept_length == 1.0
 
 
 def test_stats_table_is_flat_json():

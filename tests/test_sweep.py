@@ -14,7 +14,7 @@ import workbench as wb
 from tests.helpers import REPO, make_random_pair
 from tests.test_doctor import PROMPTS, make_copy_pair
 from workbench.analysis import sweep as sweep_module
-from workbench.decoding.stats import merge_stats
+from workbench.decoding.stats import compute_stats
 from workbench.analysis.sweep import run_sweep
 from workbench.cli import main
 
@@ -47,7 +47,7 @@ def test_points_pool_every_prompt_exactly(sweep, copy_pair):
     for k in (1, 3):
         p = res.point(0.0, k)
         runs = [wb.SpecDecoder(copy_pair, k).generate(q, 8) for q in PROMPTS]  # greedy: the same steps again
-        ref = merge_stats([r.stats for r in runs])
+        ref = compute_stats([e for r in runs for e in r.events])
         s = p.stats
         assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == \
                (ref.num_drafts, ref.num_draft_tokens, ref.num_accepted_tokens)

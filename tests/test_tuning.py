@@ -15,7 +15,8 @@ from tests.test_engine import ID_PROMPTS, random_pair
 from workbench.analysis.costmodel import Line, fit_cost_model, model_curve
 from workbench.analysis.protocol import Arm, Interval, Measurements, Timing, bootstrap, cells_to_separate, measure, rotation
 from workbench.decoding.events import GenerationResult, GenerationStats, StepEvent
-from workbench.decoding.sampling import SamplingError, SyntheticAcceptor, conditional_rates
+from workbench.analysis.synthetic import SyntheticAcceptor, conditional_rates
+from workbench.decoding.sampling import SamplingError
 from workbench.integrations.vllm import spec_decode_metrics, synthetic_acceptance_config
 
 # ---- the protocol -------------------------------------------------------------------------
@@ -152,9 +153,8 @@ def test_synthetic_acceptor_accepts_at_the_given_rates():
                                           ([0.5, 0.7], "non-increasing"), ([], "non-empty"),
                                           ([0.9, 0.8, 0.7, 0.6], "has 4 entries; expected at most")])
 def test_synthetic_rates_are_checked(rates, match):
-    pair = random_pair(seed=3)
     with pytest.raises(SamplingError, match=match):
-        wb.SpecDecoder(pair, 3, acceptor=SyntheticAcceptor(rates))
+        SyntheticAcceptor(rates, k=3)
 
 
 # ---- vLLM's key names and rules -------------------------------------------------------------------

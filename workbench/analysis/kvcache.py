@@ -9,7 +9,7 @@ kv_lora_rank + qk_rope_head_dim values per token per layer; a Llama-style EAGLE-
 from __future__ import annotations
 
 from workbench.config import ConfigError, DraftConfig, VerifierConfig
-from workbench.decoding.disagg import MODES
+from workbench.analysis.disagg import MODES
 
 # Kimi-K2 (0711) text model, eagle3_mla.md §1.2.
 KIMI_K2_VERIFIER = VerifierConfig.from_hf(
@@ -158,11 +158,11 @@ def memory_table(
     return rows
 
 
-HANDOVER_MODES = MODES  # what crosses between the instances: workbench.decoding.disagg
+HANDOVER_MODES = MODES  # what crosses between the instances: workbench.analysis.disagg
 
 
 def handover_bytes(vcfg: VerifierConfig, dcfg: DraftConfig, prompt_len: int, mode: str, dtype_bytes: int = 2) -> dict:
-    """The bytes a request's prefill-to-decode hand-over carries (`workbench.decoding.disagg`), from configs.
+    """The bytes a request's prefill-to-decode hand-over carries (`workbench.analysis.disagg`), from configs.
 
     Every mode: the verifier's KV of the prompt and the aux states of its last position (what the
     draft fuses to propose). "full" adds the draft's KV of every prompt position but the last;

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation, measured: acceptance, decode speed and bytes per hand-over mode.
 
-For each draft (MLA, and an MHA twin) and each mode of `workbench.decoding.disagg`, every prompt
+For each draft (MLA, and an MHA twin) and each mode of `workbench.analysis.disagg`, every prompt
 is prefilled on the "prefill instance", handed over as bytes and decoded on the "decode
 instance"; greedy outputs are checked against the same decoder in one process. Long prompts
 show how a missing draft KV ("cold") costs more as the prompt grows.
@@ -13,7 +13,7 @@ from workbench.analysis.degeneracy import accept_split
 from workbench.analysis.kvcache import HANDOVER_MODES, handover_bytes
 from workbench.decoding.stats import compute_stats
 from workbench.analysis.protocol import Arm, measure
-from workbench.decoding.disagg import decode_instance, prefill_instance
+from workbench.analysis.disagg import decode_instance, prefill_instance
 from workbench.decoding.engine import SpecDecoder
 
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 from workbench.analysis.costmodel import ModelCurve, model_curve
 from workbench.analysis.degeneracy import AcceptSplit, accept_split
-from workbench.decoding.stats import compute_stats, stats_table
+from workbench.decoding.stats import compute_stats
 from workbench.analysis.protocol import (Arm, Interval, Measurements, Progress, Timing, cells_to_separate,
                                          check_protocol, measure)
 from workbench.decoding.engine import MAX_K, RequestError, SpecDecoder, generate_autoregressive
 from workbench.decoding.events import GenerationStats
-from workbench.decoding.sampling import SyntheticAcceptor, check_synthetic_rates
+from workbench.analysis.synthetic import SyntheticAcceptor, check_synthetic_rates
 from workbench.analysis.vllm_keys import spec_decode_metrics, speculative_config, synthetic_acceptance_config
 
 
@@ -85,6 +85,17 @@ class SweepPoint:
                 "stats": self.stats.to_dict(), "per_prompt_accept_length": self.per_prompt_accept_length,
                 "per_prompt_degenerate": self.split.degenerate if self.split else [],
                 "accept_length_by_position": self.split.by_position if self.split else {}}
+
+
+def stats_table(stats: GenerationStats) -> dict:
+    """One flat row (scalars, then `<list>_<i>` columns) for JSON lines and CSV."""
+    row: dict = {}
+    for name, value in stats.to_dict().items():
+        if isinstance(value, list):
+            row.update({f"{name}_{i}": v for i, v in enumerate(value)})
+        else:
+            row[name] = value
+    return row
 
 
 @dataclass
@@ -208,7 +219,7 @@ def _arms(pair, ks, t, max_new_tokens, attention, seed, synthetic_rates, accepto
     def decoder(k: int, rates) -> SpecDecoder:
         # Unfused: the cost model needs the draft's time apart from the verify's (a fused step times both as one).
         return SpecDecoder(pair, num_speculative_tokens=k, temperature=t, seed=seed, attention=attention,
-                           acceptor=SyntheticAcceptor(rates) if rates is not None else acceptor,
+                           acceptor=SyntheticAcceptor(rates, k) if rates is not None else acceptor,
                            draft_sampling=draft_sampling, fused=False)
 
     def spec_arm(k: int) -> Arm:

@@ -31,7 +31,7 @@ def synthetic_acceptance_config(draft: str, k: int, rates: list[float] | None = 
     `rejection_sample_method: "synthetic"` with exactly one of `synthetic_acceptance_rates` (k
     unconditional per-position rates, in [0, 1], non-increasing) or `synthetic_acceptance_length`
     (in [1, k + 1]), the rules `SpeculativeConfig._resolve_synthetic_acceptance_rates` enforces."""
-    from workbench.decoding.sampling import check_synthetic_rates  # imports torch: only when asked
+    from workbench.analysis.synthetic import check_synthetic_rates  # imports torch: only when asked
 
     spec = speculative_config(draft, k, method)
     if (rates is None) == (length is None):

@@ -37,8 +37,8 @@ from workbench.decoding.fused import FusedDrafter, fits
 from workbench.decoding.logits import Context
 from workbench.decoding.request import (MAX_K, RequestError, _Emitter, _Request, _validate_common, acceptance_rule,
                                         result_of, sampling_params)
-from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingParams, SyntheticAcceptor, Verdict,
-                                         acceptor_for, check_finite, check_synthetic_rates, greedy_verdicts,
+from workbench.decoding.sampling import (Acceptor, GreedyAcceptor, SamplingParams, Verdict,
+                                         acceptor_for, check_finite, greedy_verdicts,
                                          next_token, nonfinite_error, shown_prob)
 from workbench.decoding.stats import compute_stats
 
@@ -161,7 +161,7 @@ class BatchDecoder:
                                "num_speculative_tokens)")
         context = self.context if max_len is None else min(max_len, self.context)
         req = _validate_common(self.pair, prompt, max_new_tokens, stop, context, heal)
-        params, acceptor = checked_settings(self.pair, k, temperature, top_p, top_k, acceptor, draft_sampling,
+        params, acceptor = checked_settings(self.pair, temperature, top_p, top_k, acceptor, draft_sampling,
                                             **constraints)
         if self.fused and not fits(self.proposer, draft_sampling, params, acceptor, self.pair.attention):
             raise RequestError(FUSED_NEEDS)
@@ -463,17 +463,13 @@ FUSED_NEEDS = ("fused = True needs greedy decoding with the pair's EAGLE draft, 
                "token constraint, and attention 'torch'")
 
 
-def checked_settings(pair, k: int, temperature: float, top_p: float, top_k: int, acceptor: str | Acceptor | None,
+def checked_settings(pair, temperature: float, top_p: float, top_k: int, acceptor: str | Acceptor | None,
                      draft_sampling: str, **constraints) -> tuple[SamplingParams, Acceptor]:
     """A request's sampling parameters and acceptor, checked (SamplingError / RequestError name the field)."""
     if draft_sampling not in ("greedy", "sample"):
         raise RequestError(f"draft sampling = {draft_sampling!r}; expected 'greedy' or 'sample'")
     params = sampling_params(pair, temperature, top_p, top_k, **constraints)
-    if isinstance(acceptor, (str, type(None))):
-        return params, acceptor_for(params, acceptor)
-    if isinstance(acceptor, SyntheticAcceptor):
-        check_synthetic_rates(acceptor.rates, k)
-    return params, acceptor
+    return params, acceptor_for(params, acceptor) if isinstance(acceptor, (str, type(None))) else acceptor
 
 
 def samples_drafts(drafter, draft_sampling: str, params: SamplingParams) -> bool:

@@ -42,7 +42,7 @@ class SpecDecoder:
         if fused not in (None, True, False):
             raise RequestError(f"fused = {fused!r}; expected None (where it applies), True or False")
         attention = pair.with_attention(attention).attention
-        self.params, self.acceptor = checked_settings(pair, k, temperature, top_p, top_k, acceptor, draft_sampling,
+        self.params, self.acceptor = checked_settings(pair, temperature, top_p, top_k, acceptor, draft_sampling,
                                                       **constraints)
         fit = fits(proposer if isinstance(proposer, str) else "custom", draft_sampling, self.params, self.acceptor,
                    attention)

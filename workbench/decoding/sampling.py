@@ -13,10 +13,7 @@ temperature, top-k, top-p), q the draft's.
 - Block verification (Sun et al. 2403.10444): the block's prefixes are judged jointly, so a later
   position can keep a prefix whose last token alone would have been rejected (`BlockAcceptor`).
 Randomness comes from a `Draws` (a generator's, or uniforms a test injects).
-
-`SyntheticAcceptor` is the exception, for timing only: it accepts position i with a given rate
-whatever the verifier says (vLLM's `rejection_sample_method: "synthetic"`), so its output is
-not lossless and its `name` says so.
+The sweep's timing-only acceptor, which is not lossless, lives with it (`workbench.analysis.synthetic`).
 """
 from __future__ import annotations
 
@@ -189,7 +186,7 @@ class GreedyAcceptor:
         return Verdict(a, t, [float(shown[i, x]) for i, x in enumerate(proposals)], float(shown[a, t]))
 
 
-def _target(target_logits, params, context, proposals) -> torch.Tensor:
+def target_probs(target_logits, params, context, proposals) -> torch.Tensor:
     check_proposals(proposals, target_logits.shape[-1])
     return probs_from_logits(adjust_rows(target_logits, params, context, proposals), params)  # [k+1, V]
 
@@ -208,7 +205,7 @@ class RejectionAcceptor:
 
     def verify(self, proposals, draft_probs, target_logits, params, generator, context=None) -> Verdict:
         draws = as_draws(generator)
-        p_all = _target(target_logits, params, context, proposals)
+        p_all = target_probs(target_logits, params, context, proposals)
         k = len(proposals)
         p = [float(p_all[i, t]) for i, t in enumerate(proposals)]
         for i, x in enumerate(proposals):
@@ -279,7 +276,7 @@ class BlockAcceptor:
 
     def verify(self, proposals, draft_probs, target_logits, params, generator, context=None) -> Verdict:
         draws = as_draws(generator)
-        p_all = _target(target_logits, params, context, proposals)
+        p_all = target_probs(target_logits, params, context, proposals)
         k, vocab = len(proposals), p_all.shape[-1]
         eta = torch.tensor([[draws.uniform() for _ in range(k)]], dtype=torch.float64)
         u = torch.tensor([draws.uniform()], dtype=torch.float64)
@@ -287,55 +284,6 @@ class BlockAcceptor:
         out = block_verify(p_all[None].double(), _draft_rows(draft_probs, proposals, vocab)[None].double(), x, eta, u)
         a, t = int(out.accepted[0]), int(out.next_token[0])
         return Verdict(a, t, [float(p_all[i, x]) for i, x in enumerate(proposals)], float(p_all[a, t]))
-
-
-def check_synthetic_rates(rates, k: int | None = None) -> list[float]:
-    """vLLM's `synthetic_acceptance_rates` rules: unconditional per-position rates in [0, 1], non-increasing,
-    at most k of them (vLLM asks for exactly k; fewer repeat the last conditional rate)."""
-    if isinstance(rates, (str, bytes)) or not hasattr(rates, "__len__") or not len(rates):
-        raise SamplingError(f"synthetic_acceptance_rates = {rates!r}; expected a non-empty list of rates in [0, 1]")
-    out = []
-    for i, r in enumerate(rates):
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
-            raise SamplingError(f"synthetic_acceptance_rates[{i}] = {r!r}; expected a rate in [0, 1]")
-        if out and r > out[-1]:
-            raise SamplingError(f"synthetic_acceptance_rates = {list(rates)}: entry {i} ({r}) is above entry {i - 1} "
-                                f"({out[-1]}); expected non-increasing unconditional rates, as vLLM requires")
-        out.append(float(r))
-    if k is not None and len(out) > k:
-        raise SamplingError(f"synthetic_acceptance_rates has {len(out)} entries; expected at most "
-                            f"num_speculative_tokens = {k}")
-    return out
-
-
-def conditional_rates(unconditional: list[float], k: int) -> list[float]:
-    """P(position i accepted | 0..i-1 accepted) for i < k, from unconditional rates; past the given
-    ones the last conditional rate repeats (as `expected_accept_length` extrapolates)."""
-    cond = [u / prev if prev > 0 else 0.0 for u, prev in zip(unconditional, [1.0] + unconditional[:-1])]
-    return (cond + [cond[-1]] * k)[:k]
-
-
-class SyntheticAcceptor:
-    """Accepts proposal i with the conditional rate that the unconditional `rates` imply, then emits the
-    verifier's own token (its argmax, or a sample of p) where it stops: a cost curve apart from the
-    draft's quality. Not lossless: an accepted proposal need not be the verifier's choice."""
-
-    def __init__(self, rates) -> None:
-        self.rates = check_synthetic_rates(rates)
-        self.name = f"synthetic (rates {self.rates}; timing only, not lossless)"
-
-    def verify(self, proposals, draft_probs, target_logits, params, generator, context=None) -> Verdict:
-        draws = as_draws(generator)
-        p_all = _target(target_logits, params, context, proposals)
-        k = len(proposals)
-        p = [float(p_all[i, t]) for i, t in enumerate(proposals)]
-        a = 0
-        for rate in conditional_rates(self.rates, k):
-            if draws.uniform() >= rate:
-                break
-            a += 1
-        t = int(p_all[a].argmax()) if params.greedy else draws.sample(p_all[a])
-        return Verdict(a, t, p, float(p_all[a, t]))
 
 
 ACCEPTORS = {"greedy": GreedyAcceptor, "rejection": RejectionAcceptor, "block": BlockAcceptor}

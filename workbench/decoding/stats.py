@@ -98,105 +98,23 @@ def compute_stats(
             per_pos[i] += 1
         for i in range(min(e.num_accepted + 1, e.k)):  # positions whose predecessors were all accepted
             reached[i] += 1
-    prefill = [e for e in events if e.kind == "prefill"]
-    stats = _counted(drafts, draft_tokens, accepted, per_pos, drafts_at, reached, hist,
-                     draft_time=sum(e.draft_time for e in spec),
-                     verify_time=sum(e.verify_time for e in events if e.kind != "prefill"),
-                     prefill_time=sum(e.draft_time + e.verify_time for e in prefill))
     if num_tokens is None:
         num_tokens = sum(len(e.emitted) for e in events)
-    return _with_throughput(stats, elapsed, num_tokens)
-
-
-def _counted(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int], drafts_at: list[int],
-             reached: list[int], hist: list[int], **times: float) -> GenerationStats:
-    """Stats from counted steps: vLLM's counters, each position's rates over the steps that proposed
-    it (`drafts_at`) and that reached it (`reached`), and the times (draft, verify, prefill)."""
-    uncond, cond = position_rates(per_pos, drafts_at, reached)
-    return GenerationStats(num_drafts=drafts, num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
-                           accepted_per_pos=per_pos, accept_length=1.0 + _ratio(accepted, drafts),
-                           per_position_acceptance=uncond, conditional_acceptance=cond,
-                           accepted_length_histogram=hist, **times)
-
-
-def _with_throughput(stats: GenerationStats, elapsed: float | None, num_tokens: int) -> GenerationStats:
+    times = dict(draft_time=sum(e.draft_time for e in spec),
+                 verify_time=sum(e.verify_time for e in events if e.kind != "prefill"),
+                 prefill_time=sum(e.draft_time + e.verify_time for e in events if e.kind == "prefill"))
     if elapsed is None:
-        elapsed = stats.draft_time + stats.verify_time + stats.prefill_time
+        elapsed = sum(times.values())
     if not math.isfinite(elapsed) or elapsed < 0:
         raise ValueError(f"compute_stats: argument 'elapsed' = {elapsed!r}; expected seconds >= 0")
     if num_tokens < 0:
         raise ValueError(f"compute_stats: argument 'num_tokens' = {num_tokens!r}; expected >= 0")
-    stats.elapsed = float(elapsed)
-    stats.num_tokens = int(num_tokens)
-    stats.tokens_per_s = _ratio(num_tokens, elapsed)
-    return stats
-
-
-def _denominators(s: GenerationStats, index: int) -> tuple[list[int | None], list[int | None]]:
-    """Per-position (drafts, reached) counts behind one stats record's rates.
-
-    One k for every step (num_draft_tokens == num_drafts * K, which no mix of k <= K can
-    fake) gives them exactly. With mixed k they are recovered from rate = count / den where
-    the count is positive; elsewhere they are unknown (None).
-    """
-    per_pos = s.accepted_per_pos
-    if s.num_draft_tokens == s.num_drafts * len(per_pos):
-        return [s.num_drafts] * len(per_pos), [s.num_drafts] + per_pos[:-1]
-    if len(s.per_position_acceptance) != len(per_pos) or len(s.conditional_acceptance) != len(per_pos):
-        raise ValueError(f"merge_stats: stats[{index}] has {len(per_pos)} positions but rates of another length")
-
-    def recover(rates: list[float]) -> list[int | None]:
-        return [round(n / r) if n > 0 and r > 0 else None for n, r in zip(per_pos, rates)]
-
-    return recover(s.per_position_acceptance), recover(s.conditional_acceptance)
-
-
-def merge_stats(stats: list[GenerationStats]) -> GenerationStats:
-    """Sum the counters of several generations (a conversation, a prompt set); recompute rates.
-
-    Exact whenever each input used one k throughout (any k per input). For inputs that mixed
-    k, prefer `compute_stats(all_events)`, which is always exact; here a mixed input whose
-    denominator at a position cannot be recovered raises when it matters.
-    """
-    k_max = max((len(s.accepted_per_pos) for s in stats), default=0)
-    per_pos, drafts_at, reached = [0] * k_max, [0] * k_max, [0] * k_max
-    hist = [0] * (k_max + 1)
-    unknown: set[tuple[int, int]] = set()
-    for n, s in enumerate(stats):
-        if len(s.accepted_length_histogram) > len(s.accepted_per_pos) + 1:
-            raise ValueError(f"merge_stats: stats[{n}].accepted_length_histogram is longer than k + 1")
-        d_at, r_at = _denominators(s, n)
-        for i, count in enumerate(s.accepted_per_pos):
-            per_pos[i] += count
-            for den, total in ((d_at, drafts_at), (r_at, reached)):
-                if den[i] is None:
-                    unknown.add((n, i))
-                else:
-                    total[i] += den[i]
-        for a, count in enumerate(s.accepted_length_histogram):
-            hist[a] += count
-    for n, i in sorted(unknown):
-        if per_pos[i] > 0:
-            raise ValueError(
-                f"merge_stats: stats[{n}] mixed k and accepted nothing at position {i}, so how many of its steps "
-                f"proposed position {i} is unknown; merge the events with compute_stats(events) instead"
-            )
-    merged = _counted(sum(s.num_drafts for s in stats), sum(s.num_draft_tokens for s in stats),
-                      sum(s.num_accepted_tokens for s in stats), per_pos, drafts_at, reached, hist,
-                      **{t: sum(getattr(s, t) for s in stats) for t in ("draft_time", "verify_time", "prefill_time")})
-    return _with_throughput(merged, sum(s.elapsed for s in stats), sum(s.num_tokens for s in stats))
-
-
-def stats_table(stats: GenerationStats) -> dict:
-    """One flat row (scalars, then `<list>_<i>` columns) for JSON lines and CSV."""
-    row: dict = {}
-    for name, value in stats.to_dict().items():
-        if isinstance(value, list):
-            for i, v in enumerate(value):
-                row[f"{name}_{i}"] = v
-        else:
-            row[name] = value
-    return row
+    uncond, cond = position_rates(per_pos, drafts_at, reached)
+    return GenerationStats(num_drafts=drafts, num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
+                           accepted_per_pos=per_pos, accept_length=1.0 + _ratio(accepted, drafts),
+                           per_position_acceptance=uncond, conditional_acceptance=cond,
+                           accepted_length_histogram=hist, num_tokens=int(num_tokens), elapsed=float(elapsed),
+                           tokens_per_s=_ratio(num_tokens, elapsed), **times)
 
 
 # ---- tokens per step ------------------------------------------------------------------------
