@@ -95,8 +95,37 @@ def test_when_a_step_is_fused(fp32_pair):
     assert a.fused is not b.fused and a.fused.fn is b.fused.fn  # each decoder's own state, one function per pair
     assert a.proposer is a.fused and wb.SpecDecoder(pair, 4, fused=True).fused.k == 4
     assert a.engine.settings()["fused"] and a.engine_report()["drafter"] == "eagle3-mla (fused)"
-    with pytest.raises(wb.RequestError, match="fused = True needs max_batch_size = 1"):
-        wb.BatchDecoder(pair, 3, max_batch_size=2, fused=True)
+    with pytest.raises(wb.RequestError, match="fused = True needs k >= 1"):
+        wb.BatchDecoder(pair, 0, max_batch_size=2, fused=True)
+
+
+def _steps(res: wb.GenerationResult) -> list[tuple]:
+    return [(e.kind, e.proposed, e.num_accepted, e.emitted, e.emitted_status, e.position) for e in res.events]
+
+
+def test_fused_batch_steps_are_each_rows_own(fp32_pair):
+    """Many rows in one fused step: rows of different lengths and budgets (so some verify fewer
+    proposals than others, padded, and leave early while others join), each with its own accepted
+    count, give every row's batch-of-one steps and plain decoding's tokens."""
+    pair = fp32_pair
+    prompts = PROMPTS + [PROMPTS[0][:40], PROMPTS[2] + "\n"]
+    budgets = [40, 12, 33, 7, 25]
+    dec = wb.BatchDecoder(pair, 3, max_batch_size=3, fused=True)
+    assert dec.settings()["fused"] and dec.drafter.name.endswith("(fused)")
+    rids = [dec.submit(p, n) for p, n in zip(prompts, budgets)]
+    widths, accepted = set(), set()
+    while not dec.idle:
+        dec.step()
+        if dec.history:
+            widths.add(tuple(dec.history[-1].ks))
+    assert any(len(set(ks)) > 1 for ks in widths) and max(s.batch_size for s in dec.history) == 3
+    for rid, p, n in zip(rids, prompts, budgets):
+        got = dec.result(rid)
+        alone = wb.SpecDecoder(pair, 3, fused=False).generate(p, n)
+        assert got.tokens == alone.tokens == wb.generate_autoregressive(pair, p, n).tokens
+        assert _steps(got) == _steps(alone)
+        accepted |= {e.num_accepted for e in got.events if e.kind == "spec"}
+    assert accepted == {0, 1, 2, 3}
 
 
 def test_nan_logits_in_a_fused_step_raise_and_the_decoder_recovers():

@@ -119,7 +119,8 @@ class KVCache:
         return self.rows[i, :, :end]
 
     def write_at(self, i: int, position: torch.Tensor, new_rows: torch.Tensor) -> None:
-        """Store new rows [B, T, W] of layer i from a position held on the device (a 0-d tensor).
+        """Store new rows [B, T, W] of layer i from a position held on the device (0-d: every
+        sequence's, or [B]: each its own).
 
         For a position the host does not know yet (workbench.decoding.fused: the draft's next row
         follows however many proposals the verifier just accepted); nothing is checked on the
@@ -128,7 +129,7 @@ class KVCache:
         dev = new_rows.device
         B, T = new_rows.shape[:2]
         index = (torch.full((1, 1), i, device=dev), torch.arange(B, device=dev)[:, None],
-                 position + torch.arange(T, device=dev)[None, :])
+                 position.reshape(-1, 1) + torch.arange(T, device=dev)[None, :])
         self.rows.index_put_(index, new_rows)
 
     def advance(self, n: int) -> None:

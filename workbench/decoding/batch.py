@@ -18,7 +18,7 @@ round differently in the last bit, so greedy output is exact in fp32 (where a fl
 tie) and follows the tie rule in bf16. Rows with different k share a step this way, by padding:
 each verifies its own k + 1 tokens (per-row k, not a group per k).
 
-The fused step (`fused=True`, one row: `workbench.decoding.fused`) is the same step with the
+The fused step (`fused=True`: `workbench.decoding.fused`) is the same step with the
 acceptance and the next drafting in one call after the verify (`FusedDrafter.accept`).
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ class BatchDecoder:
     is); each request may ask for fewer, and `policy` (`workbench.decoding.adaptive`) sets each
     row's k every step. `proposer` is "eagle" (the pair's draft), "ngram" or a `Drafter`.
     `max_len` caps every request's context (default: the verifier's). `fused=True` runs the fused
-    greedy step (one row, greedy EAGLE requests, attention 'torch'). `preallocate=False` sizes the
+    greedy step (greedy EAGLE requests, attention 'torch'). `preallocate=False` sizes the
     caches for each request as it arrives (a batch of one) rather than for the whole context.
     """
 
@@ -111,8 +111,8 @@ class BatchDecoder:
         self.k_max, self.max_batch_size, self.fused, self.preallocate = k, B, bool(fused), preallocate
         self.proposer = proposer if isinstance(proposer, str) else "custom"
         self.context = min(max_len or pair.context_length, pair.context_length)
-        if fused and (B != 1 or not k or proposer != "eagle" or pair.attention != "torch"):
-            raise RequestError("fused = True needs max_batch_size = 1, k >= 1, the pair's EAGLE draft and attention "
+        if fused and (not k or proposer != "eagle" or pair.attention != "torch"):
+            raise RequestError("fused = True needs k >= 1, the pair's EAGLE draft and attention "
                                "'torch'")
         self.drafter = self._drafter(proposer) if k else None
         self.vcache = None
@@ -135,7 +135,7 @@ class BatchDecoder:
         if self.pair.draft is None:
             raise RequestError("proposer 'eagle' needs a draft; this pair has none (use proposer='ngram')")
         if self.fused:
-            return FusedDrafter(self.pair.draft, self.k_max, self.pair.compiled)
+            return FusedDrafter(self.pair.draft, self.k_max, self.pair.compiled, self.max_batch_size)
         return EagleDrafter(self.pair.draft, self.max_batch_size)
 
     def _reserve(self, rows: int) -> None:
@@ -251,7 +251,7 @@ class BatchDecoder:
         v = self.pair.verifier(x, vcache)
         t_verify = time.perf_counter() - t
         t = time.perf_counter()
-        verdicts = self._accept(rows, props, v, x, lengths[0])
+        verdicts = self._accept(rows, props, v, x, lengths)
         vcache.truncate([n + 1 + (d.num_accepted if d else 0) for n, d in zip(lengths, verdicts)])
         if self.drafter is not None and self.drafter.needs_aux:
             for b, (r, d) in enumerate(zip(rows, verdicts)):
@@ -272,15 +272,16 @@ class BatchDecoder:
                 self._leave(i)
         return out
 
-    def _accept(self, rows: list[_Row], props: list[Proposal], v, x: torch.Tensor, start: int) -> list[Verdict | None]:
+    def _accept(self, rows: list[_Row], props: list[Proposal], v, x: torch.Tensor,
+                starts: list[int]) -> list[Verdict | None]:
         """Each row's verdict over its own k + 1 positions; a row whose logits or settings fail ends alone (None)."""
         logits = v.logits
-        if self.fused:
-            try:
-                return self.drafter.accept(rows, v, x, start, self._where(rows[0]))
-            except ValueError as e:  # SamplingError: unusable logits
-                self._finish(rows[0], "error", e)
-                return [None]
+        if self.fused:  # no row can fail but on its own logits
+            verdicts = self.drafter.accept(rows, v, x, starts, [len(p.tokens) for p in props])
+            for r, d in zip(rows, verdicts):
+                if d is None:
+                    self._finish(r, "error", nonfinite_error(self._where(r)))
+            return verdicts
         verdicts: list[Verdict | None] = [None] * len(rows)
         plain = [b for b, r in enumerate(rows) if isinstance(r.acceptor, GreedyAcceptor) and r.params.greedy
                  and r.params.plain]

@@ -60,8 +60,8 @@ def greedy_chain(draft, input_ids: torch.Tensor, hidden: torch.Tensor | tuple[to
     `counts` (rows padded to T): sequence b's first counts[b] positions are real, its cache ends after
     them and its chain continues from its row counts[b]-1. `stop_below`: the chain ends once every
     sequence has proposed a token below that probability (a host read per step). `at` (the fused
-    step, one sequence): continue from row `at`, a 0-d tensor only the device knows, at the positions
-    after it (`Eagle3Draft.forward_at`); the caller then sets the cache's length.
+    step): continue from each sequence's row at[b], a [B] tensor only the device knows, at the
+    positions after it (`Eagle3Draft.forward_at`); the caller then sets the cache's lengths.
     """
     (B, T), start = input_ids.shape, cache.lengths
     post, state = draft.draft_pass(input_ids, hidden if isinstance(hidden, torch.Tensor)
@@ -69,7 +69,7 @@ def greedy_chain(draft, input_ids: torch.Tensor, hidden: torch.Tensor | tuple[to
     if at is None:  # each sequence's cache ends after its own new positions
         counts = counts or [T] * B
         cache.set_lengths([s + n for s, n in zip(start, counts)])
-    last = torch.tensor(counts, device=input_ids.device) - 1 if at is None else at.reshape(1)
+    last = torch.tensor(counts, device=input_ids.device) - 1 if at is None else at.reshape(-1)
     rows = torch.arange(len(last), device=input_ids.device)  # a static count (in a graph, B may be symbolic)
     post, state = post[rows, last][:, None], state[rows, last][:, None]
     tokens, probs, unsure = [], [], None
@@ -83,7 +83,8 @@ def greedy_chain(draft, input_ids: torch.Tensor, hidden: torch.Tensor | tuple[to
         if i + 1 < k and at is None:
             post, state = draft.draft_pass(t, state, cache)
         elif i + 1 < k:  # at positions only the device knows, reading rows up to the chain's end
-            post, state = draft.forward_at(t, state, cache, start[0] + at + 1 + i, start[0] + T + k - 1)
+            base = start[0] if B == 1 else torch.tensor(start, device=input_ids.device)  # one row: an int a graph keeps symbolic
+            post, state = draft.forward_at(t, state, cache, base + last + 1 + i, max(start) + T + k - 1)
     return torch.cat(tokens, 1), torch.cat(probs, 1)
 
 

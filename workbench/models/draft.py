@@ -75,12 +75,12 @@ class MHAttention(nn.Module):
 
     def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int,
                    bound: int) -> torch.Tensor:
-        """As `MLAttention.forward_at`: new tokens from a position held as a 0-d tensor."""
+        """As `MLAttention.forward_at`: new tokens from a position held on the device (0-d or [B])."""
         T = x.shape[1]
-        positions = position + torch.arange(T, device=x.device)[None]
+        positions = position.reshape(-1, 1) + torch.arange(T, device=x.device)[None]  # [B or 1, T]
         q, new_rows = self.project(x, positions)
         cache.write_at(layer, position, new_rows)
-        mask = torch.arange(bound, device=x.device)[None, :] <= positions[0, :, None]  # [T, bound]
+        mask = torch.arange(bound, device=x.device) <= positions[:, None, :, None]  # [B or 1, 1, T, bound]
         return self.o_proj(self.attend(q, cache.layer(layer)[:, :bound], mask))
 
 
@@ -188,8 +188,8 @@ class Eagle3Draft(nn.Module):
 
     def forward_at(self, input_ids: torch.Tensor, hidden: torch.Tensor, cache: KVCache, position: torch.Tensor,
                    bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` from a position held as a 0-d tensor (the fused step's chain, whose next position
-        depends on how many proposals were just accepted); `bound` as in `MLAttention.forward_at`.
+        """`forward` from a position held on the device, 0-d or [B] (the fused step's chain, whose next
+        position depends on how many proposals were just accepted); `bound` as in `MLAttention.forward_at`.
         The cache's length is the caller's to set."""
         attn = self.layers[0].self_attn
         return self._pass(input_ids, hidden, lambda x: attn.forward_at(x, position, cache, 0, bound))

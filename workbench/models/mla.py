@@ -161,13 +161,14 @@ class MLAttention(nn.Module):
 
     def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int,
                    bound: int) -> torch.Tensor:
-        """`forward` for new tokens x [B,T,in] from a position held as a 0-d tensor (absorbed path).
+        """`forward` for new tokens x [B,T,in] from a position held on the device, 0-d (every
+        sequence's) or [B] (each its own), on the absorbed path.
 
         The rows go to position.. (`KVCache.write_at`) and each token attends the rows up to its
         own; `bound`, a Python int past the last position, is how many rows are read. The
         caller sets the cache's length.
         """
         T = x.shape[1]
-        q_nope, q_pe, new_rows = self.project(x, position + torch.arange(T, device=x.device)[None])
+        q_nope, q_pe, new_rows = self.project(x, position.reshape(-1, 1) + torch.arange(T, device=x.device)[None])
         cache.write_at(layer, position, new_rows)
         return self.o_proj(self.attend_absorbed(q_nope, q_pe, cache.layer(layer), position + T, bound))
