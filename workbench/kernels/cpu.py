@@ -11,7 +11,9 @@ A call large enough to pay for it is split over a pool of threads that the libra
 and reuses (idle workers sleep): a linear's output columns, attention's heads or a batch's
 sequences, the MoE's experts, in contiguous ranges, each output computed by the same code on
 whichever thread, so the bits do not depend on the count. The count follows
-`torch.get_num_threads()` unless `set_threads(n)` or `WORKBENCH_CPU_THREADS` fixes it.
+`torch.get_num_threads()` unless `set_threads(n)` or `WORKBENCH_CPU_THREADS` fixes it: read when
+the library loads and whenever `torch.set_num_threads` is called (this module wraps it, so that a
+kernel call need not ask torch each time), and again by `threads()` and `status()`.
 
 The library is compiled from `cpu_kernels.cpp` on first use (`g++ -O3 -march=native`, a few
 seconds) into `$WORKBENCH_CACHE_DIR` (default `~/.cache/workbench`), keyed by the source, the
@@ -36,6 +38,7 @@ models' modules from their weights and swaps them into a copy of a model (`accel
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import subprocess
@@ -161,6 +164,25 @@ def _follow_torch() -> None:
         lib.wb_set_threads(wanted)
 
 
+def _watch_torch_threads() -> None:
+    """Wrap `torch.set_num_threads` so that the kernels follow a new count at once (where the library
+    is loaded and no count is pinned): `serves`, on every kernel call, then need not ask torch."""
+    original = torch.set_num_threads
+    if getattr(original, "_workbench_follows", False):  # wrapped already (this module loaded again)
+        return
+
+    @functools.wraps(original)
+    def set_num_threads(n: int) -> None:
+        original(n)
+        _follow_torch()
+
+    set_num_threads._workbench_follows = True
+    torch.set_num_threads = set_num_threads
+
+
+_watch_torch_threads()
+
+
 def set_threads(n: int | None) -> int:
     """Run each kernel call on up to `n` threads (the caller and n - 1 pool workers, started once
     and reused); None follows `torch.get_num_threads()` again. Returns the count in force."""
@@ -220,16 +242,13 @@ def serves(x: Tensor, rows: int | None = None) -> bool:
     dim) and MAX_BATCH_ROWS in all, and the library loaded."""
     if torch.is_grad_enabled() or not x.is_cpu or x.dtype not in _DTYPES:
         return False
-    total = x.numel() // max(x.shape[-1], 1)
-    per_sequence = rows if rows is not None else (x.shape[-2] if x.dim() >= 2 else 1)
+    shape = x.shape  # read once: each tensor attribute costs a call on this hot path
+    total = x.numel() // max(shape[-1], 1)
+    per_sequence = rows if rows is not None else (shape[-2] if len(shape) >= 2 else 1)
     if per_sequence > MAX_ROWS or total > MAX_BATCH_ROWS:
         return False
     lib = _state.get("lib", False)
-    if (_lib() if lib is False else lib) is None:
-        return False
-    if _state["pinned"] is None and torch.get_num_threads() != _state["applied"]:
-        _follow_torch()  # torch's count changed since: the kernels follow it
-    return True
+    return (_lib() if lib is False else lib) is not None  # the thread count: followed as torch's changes
 
 
 def _ints(values: Sequence[int]):

@@ -545,6 +545,23 @@ constexpr int tile_blocks(int MB) { return WB_AVX512 ? NB : MB <= 2 ? NB / MB : 
 inline V16 load_w(const float* p) { return loadf(p); }
 inline V16 load_w(const uint16_t* p) { return bf16_to_v16(p); }  // bf16 weights widened exactly
 
+// sum[m][b] += wv[b] * x[m][k] for rows m < MB, blocks b < B: one k of an fp32-weight tile (the
+// weights fp32, or bf16 or int8 ones already widened to fp32), each row's fmas in block order.
+template <int MB, int B>
+__attribute__((always_inline)) inline void fma_rows(V16 (&wv)[B], const float* __restrict x, int K, int k,
+                                                    V16 (&sum)[MB][B]) {
+#if WB_AVX2  // several rows: keep the weights in registers (GCC would fold them into each row's fma
+            // as a memory operand, and AVX2's loads would then outnumber its fmas)
+    if constexpr (MB > 1)
+        for (int b = 0; b < B; ++b)
+            for (int h = 0; h < NR; ++h) asm("" : "+x"(wv[b].r[h]));
+#endif
+    for (int m = 0; m < MB; ++m) {
+        const V16 xv = set1(x[size_t(m) * K + k]);
+        for (int b = 0; b < B; ++b) sum[m][b] = fma(wv[b], xv, sum[m][b]);
+    }
+}
+
 // acc[m][at + b] for rows m < MB, blocks b < B: fp32 weights, or bf16 ones (wtype 4) widened to
 // fp32 as they are read, with the same fmas in the same order
 template <int MB, int B, class WT>
@@ -556,16 +573,7 @@ void tile_f32(const WT* __restrict w, size_t bstride, const float* __restrict x,
     for (int k = 0; k < K; ++k) {
         V16 wv[B];
         for (int b = 0; b < B; ++b) wv[b] = load_w(w + b * bstride + size_t(k) * 16);
-#if WB_AVX2  // several rows: keep the weights in registers (GCC would fold them into each row's fma
-            // as a memory operand, and AVX2's loads would then outnumber its fmas)
-        if constexpr (MB > 1)
-            for (int b = 0; b < B; ++b)
-                for (int h = 0; h < NR; ++h) asm("" : "+x"(wv[b].r[h]));
-#endif
-        for (int m = 0; m < MB; ++m) {
-            const V16 xv = set1(x[size_t(m) * K + k]);
-            for (int b = 0; b < B; ++b) sum[m][b] = fma(wv[b], xv, sum[m][b]);
-        }
+        fma_rows<MB, B>(wv, x, K, k, sum);
     }
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) acc[m][at + b] = sum[m][b];
@@ -598,15 +606,7 @@ void tile_i8(const int8_t* __restrict w, size_t bstride, const float* __restrict
                 wv[b] = i8_to_v16(w + b * bstride + size_t(k) * 16);
                 if constexpr (BLOCKED) wv[b] = mul(wv[b], sv[b]);
             }
-#if WB_AVX2  // as tile_f32: the widened weights stay in registers for the rows
-            if constexpr (MB > 1)
-                for (int b = 0; b < B; ++b)
-                    for (int h = 0; h < NR; ++h) asm("" : "+x"(wv[b].r[h]));
-#endif
-            for (int m = 0; m < MB; ++m) {
-                const V16 xv = set1(x[size_t(m) * K + k]);
-                for (int b = 0; b < B; ++b) sum[m][b] = fma(wv[b], xv, sum[m][b]);
-            }
+            fma_rows<MB, B>(wv, x, K, k, sum);
         }
     }
     for (int b = 0; b < B; ++b) {
