@@ -17,9 +17,10 @@
 //                 over a batch of sequences, each with its own new tokens and length
 //   wb_ffn_block  a whole SwiGLU MLP or dense-expert MoE (routing, experts, shared experts)
 //   wb_eagle_chain  an EAGLE-3 draft's greedy chain for a batch of sequences: the first pass, k-1
-//                 more, each head's argmax
-//   wb_decoder_stack  a verifier's whole forward after the embedding: every layer (aux captures,
-//                 norms, wb_mla_block, wb_ffn_block, residual adds), the final norm, the lm_head
+//                 more, each head's argmax (wb_eagle_chain_aux: fc's fusion of the aux states first)
+//   wb_decoder_stack  a verifier's whole forward from its token ids: the embedding and RoPE rows,
+//                 every layer (aux captures, norms, wb_mla_block, wb_ffn_block, residual adds),
+//                 the final norm, the lm_head
 // The two blocks only sequence the kernels above over scratch buffers, so that a layer is two
 // calls from Python instead of a dozen (at this size the calls, not the arithmetic, are the cost).
 //
@@ -1256,6 +1257,48 @@ int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* cou
 #endif
 }
 
+// wb_eagle_chain from the verifier's aux states rather than the fused state, for padded inputs:
+// sequence b's ids at ids + b * id_stride and its aux state i at aux[i] + b * aux_stride elements
+// ([>= counts[b], aux_width] rows in dtype), its first counts[b] positions its own (the rest
+// padding, never read). The fused state is fc (packed [hidden, n_aux * aux_width], weight type
+// fc_wtype, scales fc_scale) over each real position's [aux 0 | aux 1 | ...]: what
+// Eagle3Draft.combine_hidden_states computes through the fc twin, each row alone (so the same bits),
+// with the padding's rows and the Python gathers left out.
+int wb_eagle_chain_aux(const EaglePlan* p, const int64_t* ids, long id_stride, int B, const int* counts, int n_aux,
+                       const void* const* aux, long aux_stride, int aux_width, const void* fc, const float* fc_scale,
+                       int fc_wtype, void* rows, long seq_stride, const int* starts, int k, float stop_below,
+                       int* steps_out, int64_t* tokens_out, float* probs_out) {
+#if WB_SIMD
+    const int H = p->hidden, K = n_aux * aux_width;
+    const size_t es = p->dtype ? 2 : 4, arow = size_t(aux_width) * es;
+    int T = 0;
+    for (int b = 0; b < B; ++b) {
+        if (counts[b] < 1) return -3;
+        T += counts[b];
+    }
+    thread_local std::vector<char> fuse_buf;
+    const size_t x_bytes = (size_t(T) * K * es + 63) / 64 * 64;
+    if (fuse_buf.size() < x_bytes + size_t(T) * H * es + 64) fuse_buf.resize(x_bytes + size_t(T) * H * es + 64);
+    char* X = fuse_buf.data();
+    char* state = X + x_bytes;
+    std::vector<int64_t> flat(T);
+    for (int b = 0, t0 = 0; b < B; t0 += counts[b], ++b)
+        for (int t = 0; t < counts[b]; ++t) {
+            flat[t0 + t] = ids[size_t(b) * id_stride + t];
+            for (int i = 0; i < n_aux; ++i)
+                std::memcpy(X + (size_t(t0 + t) * n_aux + i) * arow,
+                            static_cast<const char*>(aux[i]) + (size_t(b) * aux_stride + size_t(t) * aux_width) * es,
+                            arow);
+        }
+    const int rc = wb_linear_w(fc, fc_scale, X, state, nullptr, T, H, K, p->dtype, fc_wtype);
+    if (rc) return rc;
+    return wb_eagle_chain(p, flat.data(), B, counts, state, rows, seq_stride, starts, k, stop_below, steps_out,
+                          tokens_out, probs_out);
+#else
+    return -1;
+#endif
+}
+
 // ---- a verifier's decoder stack ----------------------------------------------------------------
 struct StackPlan {
     const MlaPlan* const* attn;     // [layers]
@@ -1277,35 +1320,48 @@ thread_local std::vector<char> stack_buf;
 }  // namespace
 #endif
 
-// A verifier's forward from its embeddings [total, H] (B sequences, sequence b's counts[b] new
-// tokens after those of sequences 0..b-1; cos2, sin2 [total, R] each token's RoPE row): for each
-// layer l, the stream entering it copied to aux_out[j] ([n_aux, total, H]) where aux_ids[j] == l,
-// then h += attention(input_norm(h)) (wb_mla_block over layer l's cache rows at rows + l *
-// layer_stride, sequence b's at + b * seq_stride elements, its new rows written at starts[b]) and
-// h += ffn(post_norm(h)), each add rounded to dtype once as torch's `h + x`; then the final norm of
-// each sequence's last `keep` rows into hidden_out [B * keep, H] and the lm_head's logits_out
-// [B * keep, vocab]. The same kernel calls, on the same rows, as the per-module path makes one by
-// one, so the same bits. The caller checks the rows fit and advances the lengths.
-int wb_decoder_stack(const StackPlan* p, const void* embeds, int B, const int* counts, void* rows, long layer_stride,
-                     long seq_stride, const int* starts, const void* cos2, const void* sin2, int n_aux,
-                     const int* aux_ids, void* aux_out, int keep, void* hidden_out, void* logits_out) {
+// A verifier's forward from its token ids (B sequences, sequence b's counts[b] new tokens after
+// those of sequences 0..b-1, ids [total]): each token's row of `embed` ([vocab_rows, H] in dtype;
+// an id outside it returns -4 before anything is written) and its RoPE rows of the tables
+// cos_table, sin_table ([table_rows, R]) at its position (positions[i] for token i, or starts[b] + t
+// for token t of sequence b where positions is null); for each layer l, the stream entering it
+// copied to aux_out[j] ([total, H]) where aux_ids[j] == l, then h += attention(input_norm(h))
+// (wb_mla_block over layer l's cache rows at rows + l * layer_stride, sequence b's at + b *
+// seq_stride elements, its new rows written at starts[b]) and h += ffn(post_norm(h)), each add
+// rounded to dtype once as torch's `h + x`; then the final norm of each sequence's last `keep` rows
+// into hidden_out [B * keep, H] and the lm_head's logits_out [B * keep, vocab]. The embedding rows
+// are torch.embedding's and the kernel calls, on the same rows, those the per-module path makes one
+// by one, so the same bits. The caller checks the rows fit and advances the lengths.
+int wb_decoder_stack(const StackPlan* p, const int64_t* ids, const void* embed, long vocab_rows, int B,
+                     const int* counts, void* rows, long layer_stride, long seq_stride, const int* starts,
+                     const void* cos_table, const void* sin_table, long table_rows, const int* positions, int n_aux,
+                     const int* aux_ids, void* const* aux_out, int keep, void* hidden_out, void* logits_out) {
 #if WB_SIMD
-    const int H = p->hidden, dt = p->dtype;
-    const size_t es = dt ? 2 : 4, row = size_t(H) * es;
+    const int H = p->hidden, dt = p->dtype, R = p->attn[0]->R;
+    const size_t es = dt ? 2 : 4, row = size_t(H) * es, rrow = size_t(R) * es;
     int T = 0;
     for (int b = 0; b < B; ++b) {
         if (counts[b] < 1 || keep < 1 || keep > counts[b]) return -3;
         T += counts[b];
     }
-    const size_t n = size_t(T) * row;
-    if (stack_buf.size() < 3 * n + 64 * 3) stack_buf.resize(3 * n + 64 * 3);
+    for (int t = 0; t < T; ++t)
+        if (ids[t] < 0 || ids[t] >= vocab_rows) return -4;
+    const size_t n = size_t(T) * row, rope = size_t(T) * rrow;
+    if (stack_buf.size() < 3 * n + 2 * rope + 64 * 5) stack_buf.resize(3 * n + 2 * rope + 64 * 5);
     char* base = stack_buf.data();
     auto take = [&](size_t bytes) { char* q = base; base += (bytes + 63) / 64 * 64; return q; };
-    char *h = take(n), *x = take(n), *y = take(n);
-    std::memcpy(h, embeds, n);
+    char *h = take(n), *x = take(n), *y = take(n), *cos2 = take(rope), *sin2 = take(rope);
+    for (int b = 0, i = 0; b < B; ++b)
+        for (int t = 0; t < counts[b]; ++t, ++i) {
+            const long at = positions ? positions[i] : long(starts[b]) + t;
+            if (at < 0 || at >= table_rows) return -3;
+            std::memcpy(cos2 + size_t(i) * rrow, static_cast<const char*>(cos_table) + size_t(at) * rrow, rrow);
+            std::memcpy(sin2 + size_t(i) * rrow, static_cast<const char*>(sin_table) + size_t(at) * rrow, rrow);
+        }
+    for (int t = 0; t < T; ++t) std::memcpy(h + size_t(t) * row, static_cast<const char*>(embed) + size_t(ids[t]) * row, row);
     int rc = 0;
     for (int l = 0, j = 0; l < p->layers; ++l) {
-        for (; j < n_aux && aux_ids[j] == l; ++j) std::memcpy(static_cast<char*>(aux_out) + size_t(j) * n, h, n);
+        for (; j < n_aux && aux_ids[j] == l; ++j) std::memcpy(aux_out[j], h, n);
         rc |= wb_rms_norm(h, H, p->input_norm[l], x, H, T, H, p->input_eps[l], dt);
         rc |= wb_mla_block(p->attn[l], x, B, counts, static_cast<char*>(rows) + size_t(l) * layer_stride * es,
                            seq_stride, starts, cos2, sin2, y);
