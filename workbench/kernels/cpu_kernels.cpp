@@ -794,48 +794,162 @@ int wb_rope(const void* a, const void* b, long ab_stride, const void* cos, const
 #endif
 }
 
+}  // extern "C"
+
+#if WB_SIMD
+namespace {
+
+// The 16 sums reduce_add(a[r]), r < 16, as one vector (lane r). Under AVX-512 a transpose that
+// makes the additions of reduce_add's tree (GCC's _mm512_reduce_add_ps: the 256-bit halves high +
+// low, the 128-bit halves, lanes {0,1} + {2,3}, lane 0 + lane 1) for the 16 at once: each sum the
+// same value as reduce_add's (IEEE addition is commutative), in 15 additions where reduce_add
+// takes 4 each, and no trip through a scalar.
+inline V16 reduce_add16(const V16* a) {
+#if WB_AVX512
+    // the quarters of the result hold rows perm[i] of the inputs below; perm is its own inverse, so
+    // feeding row perm[i] as input i puts row i in lane i
+    constexpr int perm[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+    __m512 c[8], d[4], e[2];
+    for (int k = 0; k < 8; ++k) {  // inputs k, k+8: high 256 + low 256 (quarters: k's 8 sums, then k+8's)
+        const __m512 x = a[perm[k]].r[0], y = a[perm[k + 8]].r[0];
+        c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)));
+    }
+    for (int k = 0; k < 4; ++k)  // high 128 + low 128: a quarter each of inputs k, k+8, k+4, k+12
+        d[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[k], c[k + 4], _MM_SHUFFLE(3, 1, 3, 1)),
+                             _mm512_shuffle_f32x4(c[k], c[k + 4], _MM_SHUFFLE(2, 0, 2, 0)));
+    for (int k = 0; k < 2; ++k)  // lanes {0,1} + {2,3} of each quarter, for d[k] and d[k+2]
+        e[k] = _mm512_add_ps(_mm512_shuffle_ps(d[k], d[k + 2], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(d[k], d[k + 2], _MM_SHUFFLE(3, 2, 3, 2)));
+    return {_mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),  // lane 0 + lane 1
+                          _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)))};
+#else
+    alignas(64) float s[16];
+    for (int r = 0; r < 16; ++r) s[r] = reduce_add(a[r]);
+    return loadf(s);
+#endif
+}
+
+// The output of G heads of one token (G <= 4), for CB (<= 4) 16-lane chunks of the latent from
+// chunk c0: out_h = sum_j p_h[j] rows_j / sum_j p_h[j], each lane's fmas over j in order (the rows
+// read once for the G heads). rowf [n][Dp] fp32, p[h] the softmax numerators, inv[h] 1 / their sum.
+template <int G, int CB>
+void attend_rows(const float* rowf, int Dp, int n, const float* const* p, const V16* inv, void* out,
+                 const size_t* o, int L, int c0, int dtype) {
+    V16 acc[G][CB];
+    for (int h = 0; h < G; ++h)
+        for (int c = 0; c < CB; ++c) acc[h][c] = zero();
+    for (int j = 0; j < n; ++j) {
+        V16 rv[CB];
+        for (int c = 0; c < CB; ++c) rv[c] = loadf(rowf + size_t(j) * Dp + (c0 + c) * 16);
+        for (int h = 0; h < G; ++h) {
+            const V16 pv = set1(p[h][j]);
+            for (int c = 0; c < CB; ++c) acc[h][c] = fma(pv, rv[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < G; ++h)
+        for (int c = 0; c < CB; ++c) {
+            const int l = (c0 + c) * 16;
+            store16n(out, dtype, o[h] + l, mul(acc[h][c], inv[h]), L - l);
+        }
+}
+
+template <int G>
+void attend_chunks(const float* rowf, int Dp, int n, const float* const* p, const V16* inv, void* out,
+                   const size_t* o, int L, int dtype) {
+    const int chunks = (L + 15) / 16;
+    for (int c0 = 0; c0 < chunks; c0 += 4) {
+        switch (chunks - c0 < 4 ? chunks - c0 : 4) {
+            case 1: attend_rows<G, 1>(rowf, Dp, n, p, inv, out, o, L, c0, dtype); break;
+            case 2: attend_rows<G, 2>(rowf, Dp, n, p, inv, out, o, L, c0, dtype); break;
+            case 3: attend_rows<G, 3>(rowf, Dp, n, p, inv, out, o, L, c0, dtype); break;
+            default: attend_rows<G, 4>(rowf, Dp, n, p, inv, out, o, L, c0, dtype); break;
+        }
+    }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
 // Absorbed MLA over one sequence: q_lat [T, N, L], q_pe [T, N, R] (q_stride / pe_stride elements
 // between tokens, heads contiguous within), cache rows [>= start+T, L+R]; new token t sits at
 // position start+t and sees rows 0..start+t. out [T, N, L] in dtype.
 // score = scale * (q_lat . c_kv + q_pe . k_pe); softmax in fp32; out = sum_j p_j c_kv_j / sum_j p_j.
+// Each (token, head) is computed alone, by the same operations whatever the call's T and thread
+// count: its score for row j the fmas over [latent | rope] in 16-lane chunks in order, then their
+// tree sum (reduce_add), times scale; the max, the exps and their sum lane by lane; each output lane
+// its fmas over the rows in order. The rows are widened to fp32 once a call (zero-padded to whole
+// chunks, as the masked loads read them) and read by up to 4 heads of a token at a time.
 int wb_attention(const void* q_lat, const void* q_pe, long q_stride, long pe_stride, const void* rows, void* out,
                  int T, int N, int L, int R, int start, float scale, int dtype) {
 #if WB_SIMD
     const int D = L + R, Lp = (L + 15) / 16 * 16, Dp = Lp + (R + 15) / 16 * 16;  // q: latent, then rope, each padded
     if (Dp > 1024) return -2;
+    const int n_all = start + T, n_pad = (n_all + 15) / 16 * 16, chunks = Dp / 16;
+    thread_local std::vector<float> rowf_buf;  // rows 0..n_all-1 in fp32 [n_pad][Dp], padding zero
+    if (rowf_buf.size() < size_t(n_pad) * Dp + 16) rowf_buf.resize(size_t(n_pad) * Dp + 16);
+    float* rowf = rowf_buf.data();
+    for (int j = 0; j < n_pad; ++j) {
+        float* to = rowf + size_t(j) * Dp;
+        if (j >= n_all) {
+            for (int d = 0; d < Dp; d += 16) storef(to + d, zero());
+            continue;
+        }
+        const size_t row = size_t(j) * D;
+        for (int d = 0; d < L; d += 16) storef(to + d, load16n(rows, dtype, row + d, L - d));
+        for (int d = 0; d < R; d += 16) storef(to + Lp + d, load16n(rows, dtype, row + L + d, R - d));
+    }
     // (token, head) pairs split over the pool: each is computed alone, whichever thread runs it
     const double work = double(T) * N * (start + T) * (D + L);
     pool::parallel_for(T * N, work, [&](int i0, int i1) {
-        std::vector<float> s(start + T + 16);
-        alignas(64) float q[1024];
-        for (int i = i0; i < i1; ++i) {
-            const int t = i / N, hd = i % N, n = start + t + 1;
-            for (int d = 0; d < Dp; ++d) q[d] = 0.f;
-            for (int l = 0; l < L; ++l) q[l] = load(q_lat, dtype, size_t(t) * q_stride + size_t(hd) * L + l);
-            for (int r = 0; r < R; ++r) q[Lp + r] = load(q_pe, dtype, size_t(t) * pe_stride + size_t(hd) * R + r);
-            float mx = -INFINITY;
-            for (int j = 0; j < n; ++j) {
-                const size_t row = size_t(j) * D;
-                V16 acc = zero();
-                for (int d = 0; d < L; d += 16) acc = fma(loadf(q + d), load16n(rows, dtype, row + d, L - d), acc);
-                for (int d = 0; d < R; d += 16)
-                    acc = fma(loadf(q + Lp + d), load16n(rows, dtype, row + L + d, R - d), acc);
-                s[j] = reduce_add(acc) * scale;
-                mx = s[j] > mx ? s[j] : mx;
+        std::vector<float> s(4 * size_t(n_pad));
+        alignas(64) float q[4][1024];
+        for (int i = i0; i < i1;) {
+            const int t = i / N, h0 = i % N, n = start + t + 1;
+            const int g = std::min({4, N - h0, i1 - i});  // heads h0..h0+g-1 of token t, together
+            float* p[4];
+            V16 inv[4];
+            size_t o[4];
+            for (int h = 0; h < g; ++h) {
+                const int hd = h0 + h;
+                float* qh = q[h];
+                for (int d = 0; d < Dp; ++d) qh[d] = 0.f;
+                for (int l = 0; l < L; ++l) qh[l] = load(q_lat, dtype, size_t(t) * q_stride + size_t(hd) * L + l);
+                for (int r = 0; r < R; ++r) qh[Lp + r] = load(q_pe, dtype, size_t(t) * pe_stride + size_t(hd) * R + r);
+                p[h] = s.data() + size_t(h) * n_pad;
+                o[h] = (size_t(t) * N + hd) * L;
+                // scores, 16 rows at a time (rows past n are computed on the padding and not used)
+                V16 mxv = set1(-INFINITY);
+                for (int j0 = 0; j0 < n; j0 += 16) {
+                    V16 acc[16];
+                    for (int r = 0; r < 16; ++r) acc[r] = zero();
+                    for (int c = 0; c < chunks; ++c) {
+                        const V16 qc = loadf(qh + c * 16);
+                        const float* rc = rowf + size_t(j0) * Dp + c * 16;
+                        for (int r = 0; r < 16; ++r) acc[r] = fma(qc, loadf(rc + size_t(r) * Dp), acc[r]);
+                    }
+                    const V16 sc = mul(reduce_add16(acc), set1(scale));
+                    storef(p[h] + j0, sc);
+                    mxv = vmax(select(lanes(n - j0), sc, set1(-INFINITY)), mxv);  // a NaN score is passed over
+                }
+                const float mx = reduce_max(mxv);
+                V16 sumv = zero();
+                for (int j = 0; j < n; j += 16) {
+                    const V16 e = select(lanes(n - j), exp_neg(sub(load16n(p[h], 0, j, n - j), set1(mx))), zero());
+                    store16n(p[h], 0, j, e, n - j);
+                    sumv = add(sumv, e);
+                }
+                inv[h] = set1(1.0f / reduce_add(sumv));
             }
-            V16 sumv = zero();
-            for (int j = 0; j < n; j += 16) {
-                const V16 e = select(lanes(n - j), exp_neg(sub(load16n(s.data(), 0, j, n - j), set1(mx))), zero());
-                store16n(s.data(), 0, j, e, n - j);
-                sumv = add(sumv, e);
+            switch (g) {
+                case 1: attend_chunks<1>(rowf, Dp, n, p, inv, out, o, L, dtype); break;
+                case 2: attend_chunks<2>(rowf, Dp, n, p, inv, out, o, L, dtype); break;
+                case 3: attend_chunks<3>(rowf, Dp, n, p, inv, out, o, L, dtype); break;
+                default: attend_chunks<4>(rowf, Dp, n, p, inv, out, o, L, dtype); break;
             }
-            const V16 inv = set1(1.0f / reduce_add(sumv));
-            const size_t o = (size_t(t) * N + hd) * L;
-            for (int l = 0; l < L; l += 16) {
-                V16 acc = zero();
-                for (int j = 0; j < n; ++j) acc = fma(set1(s[j]), load16n(rows, dtype, size_t(j) * D + l, L - l), acc);
-                store16n(out, dtype, o + l, mul(acc, inv), L - l);
-            }
+            i += g;
         }
     });
     return 0;
