@@ -563,19 +563,30 @@ __attribute__((always_inline)) inline void fma_rows(V16 (&wv)[B], const float* _
     }
 }
 
+// The k's a linear sums over: ranges [k[2i], k[2i+1]), ascending, n of them; {0, K} the whole row.
+// A linear whose x is zero outside some ranges of k (the MoE's down projection: the experts no row
+// was routed to) reads only the weights of the others. Leaving out a product w * 0 (a signed zero)
+// leaves each sum's value as it is (an fma adding +-0 to a nonzero sum, or to +0, returns it); at
+// most the sign of an exact zero sum can differ, which no later operation tells apart.
+struct Spans {
+    const int* k;
+    int n;
+};
+
 // acc[m][at + b] for rows m < MB, blocks b < B: fp32 weights, or bf16 ones (wtype 4) widened to
 // fp32 as they are read, with the same fmas in the same order
 template <int MB, int B, class WT>
-void tile_f32(const WT* __restrict w, size_t bstride, const float* __restrict x, int K, int at,
+void tile_f32(const WT* __restrict w, size_t bstride, const float* __restrict x, int K, Spans ks, int at,
               V16 (&acc)[4][NB]) {
     V16 sum[MB][B];
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) sum[m][b] = zero();
-    for (int k = 0; k < K; ++k) {
-        V16 wv[B];
-        for (int b = 0; b < B; ++b) wv[b] = load_w(w + b * bstride + size_t(k) * 16);
-        fma_rows<MB, B>(wv, x, K, k, sum);
-    }
+    for (int i = 0; i < ks.n; ++i)
+        for (int k = ks.k[2 * i]; k < ks.k[2 * i + 1]; ++k) {
+            V16 wv[B];
+            for (int b = 0; b < B; ++b) wv[b] = load_w(w + b * bstride + size_t(k) * 16);
+            fma_rows<MB, B>(wv, x, K, k, sum);
+        }
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) acc[m][at + b] = sum[m][b];
 }
@@ -592,22 +603,26 @@ constexpr int QK = 32;  // k's per scale of a blocked int8 weight (wtype 3)
 
 template <int MB, int B, bool BLOCKED>
 void tile_i8(const int8_t* __restrict w, size_t bstride, const float* __restrict s, size_t sstride,
-             const float* __restrict x, int K, int at, V16 (&acc)[4][NB]) {
+             const float* __restrict x, int K, Spans ks, int at, V16 (&acc)[4][NB]) {
     V16 sum[MB][B];
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) sum[m][b] = zero();
-    for (int k0 = 0, ks = 0; k0 < K; k0 += BLOCKED ? QK : K, ++ks) {
-        const int k1 = BLOCKED && k0 + QK < K ? k0 + QK : K;
-        V16 sv[B];
-        if constexpr (BLOCKED)
-            for (int b = 0; b < B; ++b) sv[b] = loadf(s + b * sstride + size_t(ks) * 16);
-        for (int k = k0; k < k1; ++k) {
-            V16 wv[B];
-            for (int b = 0; b < B; ++b) {
-                wv[b] = i8_to_v16(w + b * bstride + size_t(k) * 16);
-                if constexpr (BLOCKED) wv[b] = mul(wv[b], sv[b]);
+    for (int i = 0; i < ks.n; ++i) {
+        const int end = ks.k[2 * i + 1];
+        for (int k0 = ks.k[2 * i]; k0 < end;) {  // blocked: each run of k's under one scale
+            const int k1 = BLOCKED ? std::min(end, (k0 / QK + 1) * QK) : end;
+            V16 sv[B];
+            if constexpr (BLOCKED)
+                for (int b = 0; b < B; ++b) sv[b] = loadf(s + b * sstride + size_t(k0 / QK) * 16);
+            for (int k = k0; k < k1; ++k) {
+                V16 wv[B];
+                for (int b = 0; b < B; ++b) {
+                    wv[b] = i8_to_v16(w + b * bstride + size_t(k) * 16);
+                    if constexpr (BLOCKED) wv[b] = mul(wv[b], sv[b]);
+                }
+                fma_rows<MB, B>(wv, x, K, k, sum);
             }
-            fma_rows<MB, B>(wv, x, K, k, sum);
+            k0 = k1;
         }
     }
     for (int b = 0; b < B; ++b) {
@@ -617,55 +632,56 @@ void tile_i8(const int8_t* __restrict w, size_t bstride, const float* __restrict
 }
 
 template <int MB, int B>
-void tile_bf16(const uint16_t* __restrict w, size_t bstride, const uint16_t* __restrict x, int K, int at,
+void tile_bf16(const uint16_t* __restrict w, size_t bstride, const uint16_t* __restrict x, int K, Spans ks, int at,
                V16 (&acc)[4][NB]) {
     V16 sum[MB][B];
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) sum[m][b] = zero();
-    const int K2 = K / 2;
-    for (int kk = 0; kk < K2; ++kk) {
-        I16 wv[B];
-        for (int b = 0; b < B; ++b) wv[b] = load_pairs(w + b * bstride + size_t(kk) * 32);
-        for (int m = 0; m < MB; ++m) {
-            int32_t pair;
-            std::memcpy(&pair, x + size_t(m) * K + 2 * kk, 4);
-            const I16 xv = set1_pair(pair);
-            for (int b = 0; b < B; ++b) sum[m][b] = dot_pairs(sum[m][b], wv[b], xv);
+    for (int i = 0; i < ks.n; ++i)  // the ranges' ends are even here (pairs of k)
+        for (int kk = ks.k[2 * i] / 2; kk < ks.k[2 * i + 1] / 2; ++kk) {
+            I16 wv[B];
+            for (int b = 0; b < B; ++b) wv[b] = load_pairs(w + b * bstride + size_t(kk) * 32);
+            for (int m = 0; m < MB; ++m) {
+                int32_t pair;
+                std::memcpy(&pair, x + size_t(m) * K + 2 * kk, 4);
+                const I16 xv = set1_pair(pair);
+                for (int b = 0; b < B; ++b) sum[m][b] = dot_pairs(sum[m][b], wv[b], xv);
+            }
         }
-    }
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) acc[m][at + b] = sum[m][b];
 }
 
 // `blocks` (<= NB) blocks from block `at` for MB rows, in tiles of at most TB blocks; WT the weight type
 template <int MB, int WT, int TB = tile_blocks(MB), int B = TB>
-void run_blocks(const void* w, size_t bstride, const float* s, size_t sstride, const void* x, int K, int blocks, int at,
-                V16 (&acc)[4][NB]) {
+void run_blocks(const void* w, size_t bstride, const float* s, size_t sstride, const void* x, int K, Spans ks,
+                int blocks, int at, V16 (&acc)[4][NB]) {
     if constexpr (B > 1)
-        if (blocks < B) return run_blocks<MB, WT, TB, B - 1>(w, bstride, s, sstride, x, K, blocks, at, acc);
+        if (blocks < B) return run_blocks<MB, WT, TB, B - 1>(w, bstride, s, sstride, x, K, ks, blocks, at, acc);
     if constexpr (WT == 4)
-        tile_f32<MB, B>(static_cast<const uint16_t*>(w) + at * bstride, bstride, static_cast<const float*>(x), K, at,
-                        acc);
+        tile_f32<MB, B>(static_cast<const uint16_t*>(w) + at * bstride, bstride, static_cast<const float*>(x), K, ks,
+                        at, acc);
     else if constexpr (WT >= 2)
         tile_i8<MB, B, WT == 3>(static_cast<const int8_t*>(w) + at * bstride, bstride, s + at * sstride, sstride,
-                                static_cast<const float*>(x), K, at, acc);
+                                static_cast<const float*>(x), K, ks, at, acc);
     else if constexpr (WT == 1)
         tile_bf16<MB, B>(static_cast<const uint16_t*>(w) + at * bstride, bstride, static_cast<const uint16_t*>(x), K,
-                         at, acc);
+                         ks, at, acc);
     else
-        tile_f32<MB, B>(static_cast<const float*>(w) + at * bstride, bstride, static_cast<const float*>(x), K, at, acc);
-    if (blocks > B) run_blocks<MB, WT>(w, bstride, s, sstride, x, K, blocks - B, at + B, acc);
+        tile_f32<MB, B>(static_cast<const float*>(w) + at * bstride, bstride, static_cast<const float*>(x), K, ks, at,
+                        acc);
+    if (blocks > B) run_blocks<MB, WT>(w, bstride, s, sstride, x, K, ks, blocks - B, at + B, acc);
 }
 
 template <int MB>
-void run_rows(const void* w, size_t bstride, const float* s, size_t sstride, const void* x, int K, int wtype,
-              int blocks, V16 (&acc)[4][NB]) {
+void run_rows(const void* w, size_t bstride, const float* s, size_t sstride, const void* x, int K, Spans ks,
+              int wtype, int blocks, V16 (&acc)[4][NB]) {
     switch (wtype) {
-        case 0: return run_blocks<MB, 0>(w, bstride, s, sstride, x, K, blocks, 0, acc);
-        case 1: return run_blocks<MB, 1>(w, bstride, s, sstride, x, K, blocks, 0, acc);
-        case 2: return run_blocks<MB, 2>(w, bstride, s, sstride, x, K, blocks, 0, acc);
-        case 4: return run_blocks<MB, 4>(w, bstride, s, sstride, x, K, blocks, 0, acc);
-        default: return run_blocks<MB, 3>(w, bstride, s, sstride, x, K, blocks, 0, acc);
+        case 0: return run_blocks<MB, 0>(w, bstride, s, sstride, x, K, ks, blocks, 0, acc);
+        case 1: return run_blocks<MB, 1>(w, bstride, s, sstride, x, K, ks, blocks, 0, acc);
+        case 2: return run_blocks<MB, 2>(w, bstride, s, sstride, x, K, ks, blocks, 0, acc);
+        case 4: return run_blocks<MB, 4>(w, bstride, s, sstride, x, K, ks, blocks, 0, acc);
+        default: return run_blocks<MB, 3>(w, bstride, s, sstride, x, K, ks, blocks, 0, acc);
     }
 }
 
@@ -678,7 +694,7 @@ inline size_t weight_size(int wtype) { return wtype == 0 ? 4 : wtype == 1 || wty
 // wb_linear_w over the columns of NB blocks g0..g1-1: a thread's share, tiled as one thread tiles
 // it. x is fp32 for int8 weights (wtype 2, 3), else in dtype (fp32 for bf16 weights, wtype 4).
 void linear_columns(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
-                    int dtype, int wtype, int g0, int g1) {
+                    int dtype, int wtype, Spans ks, int g0, int g1) {
     const size_t wsize = weight_size(wtype), xsize = wtype >= 2 || !dtype ? 4 : 2;
     const size_t bstride = size_t(K) * 16;  // elements per 16-output block
     const size_t sstride = scale_stride(K, wtype);
@@ -692,10 +708,10 @@ void linear_columns(const void* w, const float* s, const void* x, void* y, const
             const char* xp = static_cast<const char*>(x) + size_t(m0) * K * xsize;
             V16 acc[4][NB];
             switch (mb) {
-                case 1: run_rows<1>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
-                case 2: run_rows<2>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
-                case 3: run_rows<3>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
-                default: run_rows<4>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
+                case 1: run_rows<1>(wp, bstride, sp, sstride, xp, K, ks, wtype, blocks, acc); break;
+                case 2: run_rows<2>(wp, bstride, sp, sstride, xp, K, ks, wtype, blocks, acc); break;
+                case 3: run_rows<3>(wp, bstride, sp, sstride, xp, K, ks, wtype, blocks, acc); break;
+                default: run_rows<4>(wp, bstride, sp, sstride, xp, K, ks, wtype, blocks, acc); break;
             }
             for (int m = 0; m < mb; ++m)
                 for (int b = 0; b < blocks; ++b) {
@@ -715,6 +731,26 @@ void linear_columns(const void* w, const float* s, const void* x, void* y, const
     }
 }
 
+// wb_linear_w over the k's of `ks` only (x is zero outside them)
+int linear_spans(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
+                 int dtype, int wtype, Spans ks) {
+    if (wtype != dtype && !(wtype >= 2 && wtype <= 3 && s) && !(wtype == 4 && dtype == 0)) return -2;
+    const void* xs = x;
+    if (wtype >= 2 && dtype) {  // bf16 activations widened once (exactly) for the int8 tiles
+        thread_local std::vector<float> widened;
+        widened.resize(size_t(M) * K);
+        for (size_t i = 0; i < widened.size(); ++i) widened[i] = load(x, 1, i);
+        xs = widened.data();
+    }
+    long width = 0;
+    for (int i = 0; i < ks.n; ++i) width += ks.k[2 * i + 1] - ks.k[2 * i];
+    const int columns = ((N + 15) / 16 + NB - 1) / NB;
+    pool::parallel_for(columns, double(M) * N * width, [&](int g0, int g1) {
+        linear_columns(w, s, xs, y, residual, M, N, K, dtype, wtype, ks, g0, g1);
+    });
+    return 0;
+}
+
 }  // namespace
 #endif
 
@@ -728,19 +764,8 @@ extern "C" {
 int wb_linear_w(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
                 int dtype, int wtype) {
 #if WB_SIMD
-    if (wtype != dtype && !(wtype >= 2 && wtype <= 3 && s) && !(wtype == 4 && dtype == 0)) return -2;
-    const void* xs = x;
-    if (wtype >= 2 && dtype) {  // bf16 activations widened once (exactly) for the int8 tiles
-        thread_local std::vector<float> widened;
-        widened.resize(size_t(M) * K);
-        for (size_t i = 0; i < widened.size(); ++i) widened[i] = load(x, 1, i);
-        xs = widened.data();
-    }
-    const int columns = ((N + 15) / 16 + NB - 1) / NB;
-    pool::parallel_for(columns, double(M) * N * K, [&](int g0, int g1) {
-        linear_columns(w, s, xs, y, residual, M, N, K, dtype, wtype, g0, g1);
-    });
-    return 0;
+    const int whole[2] = {0, K};
+    return linear_spans(w, s, x, y, residual, M, N, K, dtype, wtype, {whole, 1});
 #else
     return -1;
 #endif
@@ -967,13 +992,22 @@ int wb_moe_route(const void* x, const float* weight, const float* bias, float* d
                  int extra, int n_group, int topk_group, int top_k, int norm, float scaling, int sigmoid, int dtype) {
 #if WB_SIMD
     if (E > 256 || top_k > E) return -2;
-    float score[256], choice[256];
+    alignas(64) float score[256 + 16];
+    float choice[256];
     bool keep[256];
+    // the weights transposed, [H][Ep] (zero past E), so that 16 experts' sums run side by side: each
+    // lane's sum is the scalar loop's, a product (rounded) then a sum (rounded) per h, in order
+    const int Ep = (E + 15) / 16 * 16;
+    thread_local std::vector<float> wt;
+    wt.assign(size_t(H) * Ep, 0.f);
+    for (int e = 0; e < E; ++e)
+        for (int h = 0; h < H; ++h) wt[size_t(h) * Ep + e] = weight[size_t(e) * H + h];
     for (int t = 0; t < T; ++t) {
-        for (int e = 0; e < E; ++e) {
-            float acc = 0.f;
-            for (int h = 0; h < H; ++h) acc += load(x, dtype, size_t(t) * H + h) * weight[size_t(e) * H + h];
-            score[e] = acc;
+        for (int e0 = 0; e0 < Ep; e0 += 16) {
+            V16 acc = zero();
+            for (int h = 0; h < H; ++h)
+                acc = add(acc, mul(set1(load(x, dtype, size_t(t) * H + h)), loadf(wt.data() + size_t(h) * Ep + e0)));
+            storef(score + e0, acc);
         }
         if (sigmoid) {
             for (int e = 0; e < E; ++e) score[e] = 1.0f / (1.0f + std::exp(-score[e]));
@@ -1206,9 +1240,17 @@ int wb_ffn_block(const FfnPlan* p, const void* x, int T, void* out) {
     char* H = buf + (d_bytes + 63) / 64 * 64;
     char* act = H + (g_bytes + 63) / 64 * 64;
     int rc = 0;
-    if (p->router)
+    std::vector<int> used;  // with a router: the groups some row is routed to (shared experts always)
+    long routed = 0;        // rows over all of them
+    if (p->router) {
         rc |= wb_moe_route(x, p->router, p->bias, dense, T, p->hidden, p->experts, G - p->experts, p->n_group,
                            p->topk_group, p->top_k, p->norm, p->scaling, p->sigmoid, p->dtype);
+        for (int g = 0; g < G; ++g) {
+            int n = 0;
+            for (int t = 0; t < T; ++t) n += dense[size_t(t) * G + g] != 0.0f;
+            if (n) used.push_back(g), routed += n;
+        }
+    }
     if (p->router && (2 * I) % 16 == 0) {
         // Each expert's gate|up only for the rows routed to it (its weights read once for them): the
         // same outputs as the dense product, and swiglu never reads an unchosen group's.
@@ -1216,13 +1258,6 @@ int wb_ffn_block(const FfnPlan* p, const void* x, int T, void* out) {
         // one packed 16-output block's weight bytes and scales (int8)
         const size_t block = size_t(p->hidden + (p->wtype == 1 ? p->hidden % 2 : 0)) * 16 * weight_size(p->wtype);
         const size_t sblock = scale_stride(p->hidden, p->wtype);
-        std::vector<int> used;  // the groups some row is routed to
-        long routed = 0;        // rows over all of them
-        for (int g = 0; g < G; ++g) {
-            int n = 0;
-            for (int t = 0; t < T; ++t) n += dense[size_t(t) * G + g] != 0.0f;
-            if (n) used.push_back(g), routed += n;
-        }
         std::atomic<int> expert_rc{0};
         // the experts split over the pool; each one's linear then runs on its part's thread
         pool::parallel_for(int(used.size()), double(routed) * 2 * I * p->hidden, [&](int u0, int u1) {
@@ -1249,7 +1284,19 @@ int wb_ffn_block(const FfnPlan* p, const void* x, int T, void* out) {
         rc |= wb_linear_w(p->w_gate_up, p->s_gate_up, x, H, nullptr, T, G * 2 * I, p->hidden, p->dtype, p->wtype);
     }
     rc |= wb_swiglu(H, p->router ? dense : nullptr, act, T, G, I, p->dtype);
-    rc |= wb_linear_w(p->w_down, p->s_down, act, out, nullptr, T, p->hidden, G * I, p->dtype, p->wtype);
+    if (p->router && (p->wtype != 1 || I % 2 == 0)) {
+        // the down projection over the used groups' columns only: the others' activations are exact
+        // zeros for every row (wb_swiglu), so their weights need not be read (Spans)
+        std::vector<int> spans;
+        for (const int g : used) {
+            if (!spans.empty() && spans.back() == g * I) spans.back() = (g + 1) * I;
+            else spans.push_back(g * I), spans.push_back((g + 1) * I);
+        }
+        rc |= linear_spans(p->w_down, p->s_down, act, out, nullptr, T, p->hidden, G * I, p->dtype, p->wtype,
+                           {spans.data(), int(spans.size() / 2)});
+    } else {
+        rc |= wb_linear_w(p->w_down, p->s_down, act, out, nullptr, T, p->hidden, G * I, p->dtype, p->wtype);
+    }
     return rc;
 #else
     return -1;
