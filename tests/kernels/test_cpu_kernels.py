@@ -257,6 +257,11 @@ def test_row_stats_are_max_first_argmax_and_logsumexp(dtype):
     mx = cpu.row_stats(y, lse=False)[0]
     assert mx[1] != mx[1] and mx[3] == float("inf")  # NaN and +inf surface in the max
     assert cpu.row_stats(torch.full((1, 10), float("-inf"), dtype=dtype)) == ([float("-inf")], [0], [float("-inf")])
+    at = [3, 999, 100, 0]  # each row's logit at an index too (a greedy acceptance's proposals), in the same call
+    *stats, picked = cpu.row_stats(x, at=at)
+    assert stats == list(cpu.row_stats(x)) and picked == x.gather(-1, torch.tensor(at)[:, None])[:, 0].float().tolist()
+    with pytest.raises(IndexError):
+        cpu.row_stats(x, at=[0, 1000, 0, 0])
 
 
 @pytest.fixture(scope="module")

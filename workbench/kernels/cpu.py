@@ -122,6 +122,7 @@ def _load():
     lib.wb_moe_route.argtypes = [p, p, p, p, i, i, i, i, i, i, i, i, f, i, i]
     lib.wb_swiglu.argtypes = [p, p, p, i, i, i, i]
     lib.wb_row_stats.argtypes = [p, lng, i, i, p, p, p, i, i]
+    lib.wb_row_stats_at.argtypes = [p, lng, i, i, p, p, p, p, p, i, i]
     lib.wb_mla_block.argtypes = [p, p, i, p, p, lng, p, p, p, p]
     lib.wb_ffn_block.argtypes = [p, p, i, p]
     lib.wb_eagle_chain.argtypes = [p, p, i, p, p, p, lng, p, i, f, p, p, p]
@@ -479,18 +480,29 @@ def swiglu(h: Tensor, groups: int, weight: Tensor | None = None) -> Tensor:
     return out
 
 
-def row_stats(logits: Tensor, lse: bool = True) -> tuple[list[float], list[int], list[float]]:
+def row_stats(logits: Tensor, lse: bool = True, at: Sequence[int] | None = None):
     """Per row of logits [T, V] (fp32 or bf16): its max, the first index of it (ATen's argmax
     rule) and its log-sum-exp (the max again when `lse` is False), in fp32, as Python lists. A
-    row with a NaN has max NaN; a softmax probability is exp(logit - lse). A greedy step's reads."""
+    row with a NaN has max NaN; a softmax probability is exp(logit - lse). A greedy step's reads.
+    `at` (one index a row): also each row's logit there, as fp32 (exactly: `logits.gather` then
+    `.float()`), a fourth list, from the same call (a greedy acceptance's proposals' logits)."""
     T, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    mx, out = torch.empty(T), torch.empty(T)
-    arg = torch.empty(T, dtype=torch.int64)
-    _check(_state["lib"].wb_row_stats(logits.data_ptr(), logits.stride(0), T, V, mx.data_ptr(), arg.data_ptr(),
-                                      out.data_ptr(), int(lse), _DTYPES[logits.dtype]), "wb_row_stats")
-    return mx.tolist(), arg.tolist(), out.tolist()
+    mx, out, arg = (ctypes.c_float * T)(), (ctypes.c_float * T)(), (ctypes.c_long * T)()
+    if at is None:
+        _check(_state["lib"].wb_row_stats(logits.data_ptr(), logits.stride(0), T, V, mx, arg, out, int(lse),
+                                          _DTYPES[logits.dtype]), "wb_row_stats")
+        return list(mx), list(arg), list(out)
+    if len(at) != T:
+        raise ValueError(f"row_stats: {len(at)} indices for {T} rows")
+    picked = (ctypes.c_float * T)()
+    rc = _state["lib"].wb_row_stats_at(logits.data_ptr(), logits.stride(0), T, V, (ctypes.c_long * T)(*at), picked,
+                                       mx, arg, out, int(lse), _DTYPES[logits.dtype])
+    if rc == -3:
+        raise IndexError(f"row_stats: an index in `at` outside [0, {V})")
+    _check(rc, "wb_row_stats_at")
+    return list(mx), list(arg), list(out), list(picked)
 
 
 class _MlaPlan(ctypes.Structure):

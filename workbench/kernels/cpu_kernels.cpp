@@ -12,7 +12,8 @@
 //   wb_attention  absorbed-MLA attention of T new tokens over one sequence's latent cache rows
 //   wb_moe_route  DeepSeek-V3 routing (sigmoid, bias, group-limited top-k) to dense weights
 //   wb_swiglu     silu(gate) * up, times a routing weight per group
-//   wb_row_stats  each logit row's max, first argmax and log-sum-exp (greedy steps, probabilities)
+//   wb_row_stats  each logit row's max, first argmax and log-sum-exp (greedy steps, probabilities);
+//                 wb_row_stats_at also each row's logit at a given index (a proposal's)
 //   wb_mla_block  a whole absorbed-MLA attention (projections, norms, RoPE, cache writes, attention)
 //                 over a batch of sequences, each with its own new tokens and length
 //   wb_ffn_block  a whole SwiGLU MLP or dense-expert MoE (routing, experts, shared experts)
@@ -788,9 +789,11 @@ int wb_rms_norm(const void* x, long x_stride, const void* weight, void* y, long 
             const V16 v = load16n(x, dtype, row + h, H - h);
             ss = fma(v, v, ss);
         }
-        const float inv = 1.0f / std::sqrt(reduce_add(ss) / float(H) + eps);
-        for (int h = 0; h < H; ++h)
-            store(y, dtype, out + h, round_to(load(x, dtype, row + h) * inv, dtype) * load(weight, dtype, h));
+        const V16 inv = set1(1.0f / std::sqrt(reduce_add(ss) / float(H) + eps));
+        for (int h = 0; h < H; h += 16) {  // each lane: round(x * inv) * weight, rounded as it is stored
+            const V16 v = round16(mul(load16n(x, dtype, row + h, H - h), inv), dtype);
+            store16n(y, dtype, out + h, mul(v, load16n(weight, dtype, h, H - h)), H - h);
+        }
     }
     return 0;
 #else
@@ -807,11 +810,12 @@ int wb_rope(const void* a, const void* b, long ab_stride, const void* cos, const
 #if WB_SIMD
     for (int t = 0; t < T; ++t)
         for (int h = 0; h < N; ++h)
-            for (int r = 0; r < R; ++r) {
+            for (int r = 0; r < R; r += 16) {  // 16 lanes at a time, each rounded as the scalar formula
                 const size_t i = size_t(t) * ab_stride + size_t(h) * R + r, c = size_t(t) * R + r;
-                const float v = round_to(load(a, dtype, i) * load(cos, dtype, c), dtype) +
-                                round_to(load(b, dtype, i) * load(sin, dtype, c), dtype);
-                store(y, dtype, size_t(t) * y_stride + size_t(h) * R + r, v);
+                const int left = R - r;
+                const V16 v = add(round16(mul(load16n(a, dtype, i, left), load16n(cos, dtype, c, left)), dtype),
+                                  round16(mul(load16n(b, dtype, i, left), load16n(sin, dtype, c, left)), dtype));
+                store16n(y, dtype, size_t(t) * y_stride + size_t(h) * R + r, v, left);
             }
     return 0;
 #else
@@ -1129,6 +1133,21 @@ int wb_row_stats(const void* logits, long stride, int T, int V, float* mx_out, l
 #endif
 }
 
+// wb_row_stats, and for each row t the logit at index pick[t] (as fp32, exactly) into picked_out[t]:
+// a greedy acceptance's reads of the proposals' logits beside each row's max, argmax and
+// log-sum-exp, in one call. An index outside [0, V) returns -3 before anything is written.
+int wb_row_stats_at(const void* logits, long stride, int T, int V, const long* pick, float* picked_out,
+                    float* mx_out, long* arg_out, float* lse_out, int with_lse, int dtype) {
+#if WB_SIMD
+    for (int t = 0; t < T; ++t)
+        if (pick[t] < 0 || pick[t] >= V) return -3;
+    for (int t = 0; t < T; ++t) picked_out[t] = load(logits, dtype, size_t(t) * stride + size_t(pick[t]));
+    return wb_row_stats(logits, stride, T, V, mx_out, arg_out, lse_out, with_lse, dtype);
+#else
+    return -1;
+#endif
+}
+
 // ---- blocks ---------------------------------------------------------------------------------
 // Weights and sizes of one attention or FFN, filled once per module (workbench/kernels/cpu.py).
 struct MlaPlan {
@@ -1328,7 +1347,10 @@ thread_local std::vector<char> chain_buf;
 
 // a = round(a + b) elementwise in dtype (a residual add as torch's `a + b`)
 void add_into(void* a, const void* b, size_t n, int dtype) {
-    for (size_t i = 0; i < n; ++i) store(a, dtype, i, load(a, dtype, i) + load(b, dtype, i));
+    for (size_t i = 0; i < n; i += 16) {
+        const int left = n - i < 16 ? int(n - i) : 16;
+        store16n(a, dtype, i, add(load16n(a, dtype, i, left), load16n(b, dtype, i, left)), left);
+    }
 }
 }  // namespace
 #endif
