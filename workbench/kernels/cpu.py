@@ -127,6 +127,7 @@ def _load():
     lib.wb_ffn_block.argtypes = [p, p, i, p]
     lib.wb_eagle_chain.argtypes = [p, p, i, p, p, p, lng, p, i, f, p, p, p]
     lib.wb_eagle_chain_aux.argtypes = [p, p, lng, i, p, i, p, lng, i, p, p, i, p, lng, p, i, f, p, p, p]
+    lib.wb_accept_and_draft.argtypes = [p, p, i, i, p, i, i, p, i, p, p, i, p, i, i, p, p, p]
     lib.wb_decoder_stack.argtypes = [p, p, p, lng, i, p, p, lng, lng, p, p, p, lng, p, i, p, p, i, p, p]
     lib.wb_set_threads.argtypes, lib.wb_set_min_work.argtypes, lib.wb_pool_trace.argtypes = [i], [lng], [i, p]
     lib.wb_set_min_work.restype = lib.wb_threads_created.restype = lib.wb_pool_jobs.restype = lng
@@ -662,6 +663,18 @@ class EagleChain:
             tokens, probs = tokens[:, :made.value], probs[:, :made.value]
         return (tokens, probs) if rows.dim() == 3 else (tokens[0], probs[0])
 
+    def accept_and_draft(self, logits: Tensor, x: Tensor, aux: Sequence[Tensor], rows: Tensor, start: int,
+                         k: int) -> tuple[Tensor, Tensor, bool]:
+        """The fused greedy step's call after the verifier's forward over x [1, T] (= [last verified
+        token] + T - 1 proposals; its logits [T, V], its aux states [1, T, W] each), for one sequence
+        whose draft cache rows [S, L+R] hold `start` positions before x (`wb_accept_and_draft`):
+        `workbench.decoding.fused.accept_and_draft`'s results, (ints [1 + T + k] = [accepted, the T
+        argmaxes, the next k proposals], floats [(T - 1) + T + k] = [p of each proposal, p of each
+        argmax, q of each next proposal], whether every logit row's max is finite), with the draft
+        rows up to the accepted count's written as the unfused chain writes them (the proposals are
+        its bits). The caller sets the draft cache's length."""
+        return _accept_and_draft(self, logits, x, aux, rows, start, k)
+
     def from_aux(self, ids: Tensor, aux: Sequence[Tensor], rows: Tensor, starts: Sequence[int], k: int,
                  counts: Sequence[int], stop_below: float | None = None) -> tuple[Tensor, Tensor]:
         """The chain from the verifier's aux states, fc's fusion in the same call (`wb_eagle_chain_aux`):
@@ -697,6 +710,31 @@ class EagleChain:
         if made.value < k:
             tokens, probs = tokens[:, :made.value], probs[:, :made.value]
         return tokens, probs
+
+
+def _accept_and_draft(chain: "EagleChain", logits: Tensor, x: Tensor, aux: Sequence[Tensor], rows: Tensor, start: int,
+                      k: int) -> tuple[Tensor, Tensor, bool]:
+    """`EagleChain.accept_and_draft`'s call (see there)."""
+    fc = chain.fc
+    T, V = logits.shape
+    S = rows.shape[0]
+    if (fc is None or logits.dtype not in _DTYPES or logits.stride(1) != 1 or logits.stride(0) != V
+            or x.shape != (1, T) or x.dtype != torch.int64 or rows.dim() != 2 or rows.stride(0) != rows.shape[1]
+            or rows.stride(1) != 1 or start + T + k - 1 > min(chain.limit, S) or k < 1):
+        raise ValueError(f"EagleChain.accept_and_draft: logits [{T}, V] after x [1, {T}] and {k} proposals from "
+                         f"{start} must fit the cache ({S} rows) and the RoPE table ({chain.limit})")
+    W = aux[0].shape[-1]
+    if len(aux) * W != fc.in_features or any(a.dtype != chain.dtype or a.shape != (1, T, W) for a in aux):
+        raise ValueError(f"EagleChain.accept_and_draft: expected {fc.in_features // max(W, 1)} aux states "
+                         f"[1, {T}, {W}] in {chain.dtype}")
+    aux = [a if a.stride(2) == 1 and a.stride(1) == W else a.contiguous() for a in aux]
+    x = x if x.is_contiguous() else x.contiguous()
+    ints, floats, finite = torch.empty(1 + T + k, dtype=torch.int64), torch.empty(2 * T - 1 + k), ctypes.c_int(0)
+    _check(_state["lib"].wb_accept_and_draft(
+        ctypes.byref(chain.plan), logits.data_ptr(), V, _DTYPES[logits.dtype], x.data_ptr(), T, len(aux),
+        (ctypes.c_void_p * len(aux))(*(a.data_ptr() for a in aux)), W, fc.data.data_ptr(), fc.scale_ptr, fc.wtype,
+        rows.data_ptr(), start, k, ints.data_ptr(), floats.data_ptr(), ctypes.byref(finite)), "wb_accept_and_draft")
+    return ints, floats, bool(finite.value)
 
 
 class _StackPlan(ctypes.Structure):

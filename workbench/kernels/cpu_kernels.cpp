@@ -18,7 +18,8 @@
 //                 over a batch of sequences, each with its own new tokens and length
 //   wb_ffn_block  a whole SwiGLU MLP or dense-expert MoE (routing, experts, shared experts)
 //   wb_eagle_chain  an EAGLE-3 draft's greedy chain for a batch of sequences: the first pass, k-1
-//                 more, each head's argmax (wb_eagle_chain_aux: fc's fusion of the aux states first)
+//                 more, each head's argmax (wb_eagle_chain_aux: fc's fusion of the aux states first;
+//                 wb_accept_and_draft: a fused step's greedy acceptance, then the chain)
 //   wb_decoder_stack  a verifier's whole forward from its token ids: the embedding and RoPE rows,
 //                 every layer (aux captures, norms, wb_mla_block, wb_ffn_block, residual adds),
 //                 the final norm, the lm_head
@@ -1364,15 +1365,19 @@ void add_into(void* a, const void* b, size_t n, int dtype) {
 // sequence's tokens in one batch (the first ragged, then one token each). With stop_below > 0 the
 // chain ends early once every sequence has proposed a token below that probability (an adaptive
 // policy verifies none after it); *steps_out is the number of proposals made per sequence.
-int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* counts, const void* state_in,
-                         void* rows, long seq_stride, const int* starts, int k, float stop_below, int* steps_out,
-                         int64_t* tokens_out, float* probs_out) {
+// wb_eagle_chain, continued after the first pass from row from[b] of sequence b's first-pass rows
+// (its head, its state, its next position) rather than from its last (from null): the fused step's
+// first pass covers every verified position and continues from the accepted count's.
+static int eagle_chain_from(const EaglePlan* p, const int64_t* ids, int B, const int* counts, const void* state_in,
+                            void* rows, long seq_stride, const int* starts, int k, float stop_below, int* steps_out,
+                            int64_t* tokens_out, float* probs_out, const int* from) {
 #if WB_SIMD
     const int H = p->hidden, dt = p->dtype, R = p->attn->R;
     const size_t es = dt ? 2 : 4, row = size_t(H) * es;
     int T = 0;
     for (int b = 0; b < B; ++b) {
         if (counts[b] < 1 || starts[b] + counts[b] + k - 1 > p->limit) return -3;
+        if (from && (from[b] < 0 || from[b] >= counts[b])) return -3;
         T += counts[b];
     }
     const size_t n = size_t(T) * row, rope = size_t(T) * R * es;
@@ -1411,9 +1416,11 @@ int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* cou
         rc |= wb_ffn_block(p->mlp, yin, T, pre);
         add_into(pre, r, size_t(T) * H, dt);  // pre = r + mlp(...): the same sum in either order
         rc |= wb_rms_norm(pre, H, p->final_norm, post, H, T, H, p->final_eps, dt);
-        // the head over each sequence's last row, its argmax and that token's probability
+        // the head over each sequence's last row (or its row from[b], after the first pass), its argmax
+        // and that token's probability
+        auto at = [&](int b) { return from && step == 0 ? from[b] : cnt[b] - 1; };
         for (int b = 0, t0 = 0; b < B; t0 += cnt[b], ++b)
-            std::memcpy(last + b * row, post + size_t(t0 + cnt[b] - 1) * row, row);
+            std::memcpy(last + b * row, post + size_t(t0 + at(b)) * row, row);
         rc |= wb_linear_w(p->head, p->head_scale, last, logits, nullptr, B, p->draft_vocab, H, dt, p->head_wtype);
         rc |= wb_row_stats(logits, p->draft_vocab, B, p->draft_vocab, mx.data(), arg.data(), lse.data(), 1, dt);
         // the next pass: each sequence's proposal, fed its last row's state, at its next position
@@ -1422,9 +1429,9 @@ int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* cou
             const int64_t d = arg[b] + (p->d2t ? p->d2t[arg[b]] : 0);
             tokens_out[size_t(b) * k + step] = d;
             probs_out[size_t(b) * k + step] = float(std::exp(double(mx[b]) - double(lse[b])));  // as Python: math.exp of the two floats
-            std::memmove(h + b * row, fed + size_t(t0 + cnt[b] - 1) * row, row);
+            std::memmove(h + b * row, fed + size_t(t0 + at(b)) * row, row);
             tok[b] = d;
-            pos[b] += cnt[b];
+            pos[b] += at(b) + 1;
             unsure[b] |= probs_out[size_t(b) * k + step] < stop_below;
         }
         if (stop_below > 0 && std::count(unsure.begin(), unsure.end(), 1) == B) {
@@ -1440,17 +1447,21 @@ int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* cou
 #endif
 }
 
-// wb_eagle_chain from the verifier's aux states rather than the fused state, for padded inputs:
-// sequence b's ids at ids + b * id_stride and its aux state i at aux[i] + b * aux_stride elements
-// ([>= counts[b], aux_width] rows in dtype), its first counts[b] positions its own (the rest
-// padding, never read). The fused state is fc (packed [hidden, n_aux * aux_width], weight type
-// fc_wtype, scales fc_scale) over each real position's [aux 0 | aux 1 | ...]: what
-// Eagle3Draft.combine_hidden_states computes through the fc twin, each row alone (so the same bits),
-// with the padding's rows and the Python gathers left out.
-int wb_eagle_chain_aux(const EaglePlan* p, const int64_t* ids, long id_stride, int B, const int* counts, int n_aux,
-                       const void* const* aux, long aux_stride, int aux_width, const void* fc, const float* fc_scale,
-                       int fc_wtype, void* rows, long seq_stride, const int* starts, int k, float stop_below,
-                       int* steps_out, int64_t* tokens_out, float* probs_out) {
+int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* counts, const void* state_in,
+                   void* rows, long seq_stride, const int* starts, int k, float stop_below, int* steps_out,
+                   int64_t* tokens_out, float* probs_out) {
+    return eagle_chain_from(p, ids, B, counts, state_in, rows, seq_stride, starts, k, stop_below, steps_out,
+                            tokens_out, probs_out, nullptr);
+}
+
+// The fused state of T positions: fc (packed [hidden, n_aux * aux_width], weight type fc_wtype,
+// scales fc_scale) over each position's [aux 0 | aux 1 | ...], sequence b's first counts[b]
+// positions of its aux state i at aux[i] + b * aux_stride elements ([>= counts[b], aux_width] rows
+// in dtype), into *state (a thread's buffer, [T, hidden]); its ids (at ids + b * id_stride) into
+// flat. What Eagle3Draft.combine_hidden_states computes through the fc twin, each row alone.
+static int fuse_aux(const EaglePlan* p, const int64_t* ids, long id_stride, int B, const int* counts, int n_aux,
+                    const void* const* aux, long aux_stride, int aux_width, const void* fc, const float* fc_scale,
+                    int fc_wtype, std::vector<int64_t>& flat, char** state) {
 #if WB_SIMD
     const int H = p->hidden, K = n_aux * aux_width;
     const size_t es = p->dtype ? 2 : 4, arow = size_t(aux_width) * es;
@@ -1463,8 +1474,8 @@ int wb_eagle_chain_aux(const EaglePlan* p, const int64_t* ids, long id_stride, i
     const size_t x_bytes = (size_t(T) * K * es + 63) / 64 * 64;
     if (fuse_buf.size() < x_bytes + size_t(T) * H * es + 64) fuse_buf.resize(x_bytes + size_t(T) * H * es + 64);
     char* X = fuse_buf.data();
-    char* state = X + x_bytes;
-    std::vector<int64_t> flat(T);
+    *state = X + x_bytes;
+    flat.resize(T);
     for (int b = 0, t0 = 0; b < B; t0 += counts[b], ++b)
         for (int t = 0; t < counts[b]; ++t) {
             flat[t0 + t] = ids[size_t(b) * id_stride + t];
@@ -1473,10 +1484,71 @@ int wb_eagle_chain_aux(const EaglePlan* p, const int64_t* ids, long id_stride, i
                             static_cast<const char*>(aux[i]) + (size_t(b) * aux_stride + size_t(t) * aux_width) * es,
                             arow);
         }
-    const int rc = wb_linear_w(fc, fc_scale, X, state, nullptr, T, H, K, p->dtype, fc_wtype);
+    return wb_linear_w(fc, fc_scale, X, *state, nullptr, T, H, K, p->dtype, fc_wtype);
+#else
+    return -1;
+#endif
+}
+
+// wb_eagle_chain from the verifier's aux states rather than the fused state, for padded inputs:
+// sequence b's ids at ids + b * id_stride and its aux states as fuse_aux reads them, its first
+// counts[b] positions its own (the rest padding, never read). fc's fusion in the same call, for
+// the real positions only.
+int wb_eagle_chain_aux(const EaglePlan* p, const int64_t* ids, long id_stride, int B, const int* counts, int n_aux,
+                       const void* const* aux, long aux_stride, int aux_width, const void* fc, const float* fc_scale,
+                       int fc_wtype, void* rows, long seq_stride, const int* starts, int k, float stop_below,
+                       int* steps_out, int64_t* tokens_out, float* probs_out) {
+    std::vector<int64_t> flat;
+    char* state = nullptr;
+    const int rc = fuse_aux(p, ids, id_stride, B, counts, n_aux, aux, aux_stride, aux_width, fc, fc_scale, fc_wtype,
+                            flat, &state);
     if (rc) return rc;
     return wb_eagle_chain(p, flat.data(), B, counts, state, rows, seq_stride, starts, k, stop_below, steps_out,
                           tokens_out, probs_out);
+}
+
+// The fused greedy step's second call, for one sequence (workbench.decoding.fused.accept_and_draft):
+// after the verifier's forward over x [T] = [last verified token, T - 1 proposals] (its logits [T,
+// V] in ldtype, its aux states as fuse_aux reads them), with the draft cache rows holding the
+// positions before x (start of them). Each logit row's first argmax (the target), max and
+// log-sum-exp; the accepted count a (proposals equal to the targets, in order); then the draft's
+// first pass over the T positions with the targets as their tokens (the rows up to a are the
+// unfused first pass's: position j's token is the verified one after it), continued from row a.
+// ints_out [1 + T + k] = [a, the T targets, the k proposals]; floats_out [(T - 1) + T + k] = [each
+// proposal's verifier probability, each target's, each proposal's draft probability]; *finite_out
+// whether every logit row's max is finite (else no drafting: the caller raises). The caller checks
+// the rows fit (start + T + k - 1) and sets the draft cache's length.
+int wb_accept_and_draft(const EaglePlan* p, const void* logits, int V, int ldtype, const int64_t* x, int T, int n_aux,
+                        const void* const* aux, int aux_width, const void* fc, const float* fc_scale, int fc_wtype,
+                        void* rows, int start, int k, int64_t* ints_out, float* floats_out, int* finite_out) {
+#if WB_SIMD
+    if (T < 1 || k < 1) return -3;
+    std::vector<float> mx(T), lse(T);
+    std::vector<long> arg(T);
+    int rc = wb_row_stats(logits, V, T, V, mx.data(), arg.data(), lse.data(), 1, ldtype);
+    int finite = 1;
+    for (int t = 0; t < T; ++t) finite &= std::isfinite(mx[t]) ? 1 : 0;
+    int a = 0;
+    while (a < T - 1 && x[1 + a] == arg[a]) ++a;
+    ints_out[0] = a;
+    for (int t = 0; t < T; ++t) ints_out[1 + t] = arg[t];
+    for (int t = 0; t < T - 1; ++t) {  // softmax probabilities, as the greedy acceptance shows them
+        if (x[1 + t] < 0 || x[1 + t] >= V) return -3;
+        floats_out[t] = float(std::exp(double(load(logits, ldtype, size_t(t) * V + x[1 + t])) - double(lse[t])));
+    }
+    for (int t = 0; t < T; ++t) floats_out[T - 1 + t] = float(std::exp(double(mx[t]) - double(lse[t])));
+    *finite_out = finite;
+    if (!finite) {  // nothing to draft from
+        for (int i = 0; i < k; ++i) ints_out[1 + T + i] = 0, floats_out[2 * T - 1 + i] = 0.f;
+        return rc;
+    }
+    std::vector<int64_t> targets(arg.begin(), arg.end()), flat;
+    char* state = nullptr;
+    rc |= fuse_aux(p, targets.data(), T, 1, &T, n_aux, aux, 0, aux_width, fc, fc_scale, fc_wtype, flat, &state);
+    if (rc) return rc;
+    int made = k;
+    return eagle_chain_from(p, flat.data(), 1, &T, state, rows, 0, &start, k, 0.0f, &made, ints_out + 1 + T,
+                            floats_out + 2 * T - 1, &a);
 #else
     return -1;
 #endif
