@@ -29,8 +29,11 @@ to nearest even) for fp32 activations: each is widened back as it is read, so th
 fp32 kernel's over the rounded weights, for half the weight traffic; with bf16 activations it is
 the native packing.
 
-A verifier's whole decoder stack (every layer's norms, attention block, FFN block and residual
-adds, the final norm and the lm_head) is one more call, `DecoderStack`, over the layers' plans.
+A verifier's whole forward from its token ids (the embedding and RoPE rows, every layer's norms,
+attention block, FFN block and residual adds, the final norm and the lm_head) is one more call,
+`DecoderStack`, over the layers' plans; an EAGLE-3 draft's greedy chain another (`EagleChain`:
+from the fused state, from the verifier's aux states with fc's fusion, or as the fused greedy
+step's acceptance then chain).
 
 This file is the library and its calls; `cpu_modules.py` builds kernel-backed twins of the
 models' modules from their weights and swaps them into a copy of a model (`accelerate`).
