@@ -257,6 +257,11 @@ def test_row_stats_are_max_first_argmax_and_logsumexp(dtype):
     mx = cpu.row_stats(y, lse=False)[0]
     assert mx[1] != mx[1] and mx[3] == float("inf")  # NaN and +inf surface in the max
     assert cpu.row_stats(torch.full((1, 10), float("-inf"), dtype=dtype)) == ([float("-inf")], [0], [float("-inf")])
+    at = [3, 999, 100, 0]  # each row's logit at an index too (a greedy acceptance's proposals), in the same call
+    *stats, picked = cpu.row_stats(x, at=at)
+    assert stats == list(cpu.row_stats(x)) and picked == x.gather(-1, torch.tensor(at)[:, None])[:, 0].float().tolist()
+    with pytest.raises(IndexError):
+        cpu.row_stats(x, at=[0, 1000, 0, 0])
 
 
 @pytest.fixture(scope="module")
@@ -355,6 +360,60 @@ def test_a_batch_of_ragged_sequences_gives_each_its_own_bits(pairs):
     with torch.inference_mode():
         assert cpu.serves(torch.zeros(64, 5, 8)) and not cpu.serves(torch.zeros(1, cpu.MAX_ROWS + 1, 8))
         assert not cpu.serves(torch.zeros(cpu.MAX_BATCH_ROWS // 4 + 1, 4, 8))  # too many rows in all
+
+
+def test_the_fused_steps_kernel_call_drafts_what_the_unfused_chain_drafts(pairs):
+    """`run_accept_and_draft` (`wb_accept_and_draft`: the fused step's greedy acceptance, then a first
+    pass over every verified position continued from the accepted count's row) after a verify of
+    [last verified token] + 3 proposals, 0 to 3 of them right: its accepted count and argmaxes are
+    the logits', and its proposals, their probabilities and the draft rows of the accepted
+    positions and the chain are the unfused one-call chain's over the accepted positions, bit for
+    bit; the Python fused step over the plain draft proposes the same tokens (fp32)."""
+    from workbench.decoding.drafters import greedy_chain
+    from workbench.decoding.fused import accept_and_draft
+
+    prompt = [5, 9, 200, 31, 7, 77, 3, 12]
+    P = len(prompt)
+    for dt, pair in pairs.items():
+        v, d, plain = pair.verifier, pair.draft, pair.reference().draft
+        with torch.inference_mode():
+            vc = v.new_cache(64)
+            out = v(torch.tensor([prompt]), vc)
+            truth = [int(out.logits[0, -1].float().argmax())]
+            for _ in range(3):  # the verifier's greedy continuation
+                truth.append(int(v(torch.tensor([truth[-1:]]), vc).logits[0, -1].float().argmax()))
+            vc.truncate(P)
+            base = d.new_cache(64)  # the draft's rows of the prompt's positions (position j: token j + 1)
+            d(torch.tensor([prompt[1:] + truth[:1]]), d.combine_hidden_states(out.aux_hidden_states), base)
+
+            def copy(cache):
+                new = cache.view(0)
+                new.rows = cache.rows.clone()
+                return new
+
+            for right in range(4):  # the first `right` proposals the verifier's own tokens, then a wrong one
+                x = torch.tensor([truth[:1] + [t if i < right else (t + 1) % 100 for i, t in enumerate(truth[1:])]])
+                vcache = copy(vc)
+                ver = v(x, vcache)
+                vcache.truncate(P)
+                fused, unfused = copy(base), copy(base)
+                fused._lens, unfused._lens = [P], [P]
+                ints, floats, finite = d.run_accept_and_draft(accept_and_draft, ver.logits[0], ver.aux_hidden_states,
+                                                              x, fused, 3)
+                a = int(ints[0])
+                assert finite and a == right and ints[1:5].tolist() == ver.logits[0].float().argmax(-1).tolist()
+                assert fused.length == P + 4  # as the Python fused step's first pass leaves it
+                tokens, probs = d.run_greedy_chain(greedy_chain, ints[None, 1:2 + a],
+                                                   tuple(h[:, :a + 1] for h in ver.aux_hidden_states), unfused, 3,
+                                                   [a + 1])
+                assert torch.equal(ints[5:], tokens[0]) and torch.equal(floats[7:], probs[0]), (dt, a)
+                n = P + a + 3  # the accepted positions' rows, then the chain's
+                assert unfused.length == n and torch.equal(fused.rows[0, 0, :n], unfused.rows[0, 0, :n]), (dt, a)
+                if dt == "float32":
+                    on_plain = copy(base)
+                    on_plain._lens = [P]
+                    p_ints, _, _ = accept_and_draft(plain, ver.logits[0], ver.aux_hidden_states, x, on_plain, 3)
+                    assert torch.equal(p_ints, ints), (dt, a)
 
 
 def test_a_ragged_draft_chain_of_a_batch_equals_each_sequences_chain(pairs):

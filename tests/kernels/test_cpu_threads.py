@@ -20,6 +20,7 @@ import torch
 
 import workbench as wb
 from workbench.decoding.drafters import greedy_chain
+from workbench.decoding.fused import accept_and_draft
 from tests.kernels.test_cpu_kernels import PROMPTS, _ragged_batch, build, load_build
 from workbench.analysis.doctor import path_check
 from workbench.kernels import cpu
@@ -105,7 +106,8 @@ def bf16_pair():
 
 def model_outputs(pair) -> list:
     """A prefill and a 4-token verify (logits, aux states, cache rows), a ragged batch of four
-    sequences in one call per layer, and the draft's one-call greedy chain."""
+    sequences in one call per layer, the draft's one-call greedy chain and the fused step's call
+    after the verify."""
     v, d = pair.verifier, pair.draft
     with torch.inference_mode():
         cache = v.new_cache(64)
@@ -116,8 +118,13 @@ def model_outputs(pair) -> list:
         dcache = d.new_cache(64)
         run = getattr(d, "run_greedy_chain", lambda chain, *a: chain(d, *a))  # as the engine runs it (drafters.py)
         chain = run(greedy_chain, torch.tensor([[9, 200, 31, 7, 77, 3, 42]]), first.aux_hidden_states, dcache, 4)
+        fcache = d.new_cache(64)  # the fused step's call after the verify (the kernels' one call where the draft has it)
+        d(torch.tensor([[9, 200, 31, 7, 77, 3, 42]]), d.combine_hidden_states(first.aux_hidden_states), fcache)
+        fuse = getattr(d, "run_accept_and_draft", lambda f, *a: f(d, *a))
+        ints, floats, _ = fuse(accept_and_draft, verify.logits[0], verify.aux_hidden_states,
+                               torch.tensor([[11, 12, 13, 14]]), fcache, 3)
     return [first.logits, *first.aux_hidden_states, verify.logits, cache.valid(), batch.logits, big.rows,
-            *chain, dcache.valid()]
+            *chain, dcache.valid(), ints, floats, fcache.valid()]
 
 
 @pytest.mark.parametrize("min_work", [None, 1])

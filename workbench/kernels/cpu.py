@@ -11,7 +11,9 @@ A call large enough to pay for it is split over a pool of threads that the libra
 and reuses (idle workers sleep): a linear's output columns, attention's heads or a batch's
 sequences, the MoE's experts, in contiguous ranges, each output computed by the same code on
 whichever thread, so the bits do not depend on the count. The count follows
-`torch.get_num_threads()` unless `set_threads(n)` or `WORKBENCH_CPU_THREADS` fixes it.
+`torch.get_num_threads()` unless `set_threads(n)` or `WORKBENCH_CPU_THREADS` fixes it: read when
+the library loads and whenever `torch.set_num_threads` is called (this module wraps it, so that a
+kernel call need not ask torch each time), and again by `threads()` and `status()`.
 
 The library is compiled from `cpu_kernels.cpp` on first use (`g++ -O3 -march=native`, a few
 seconds) into `$WORKBENCH_CACHE_DIR` (default `~/.cache/workbench`), keyed by the source, the
@@ -27,8 +29,11 @@ to nearest even) for fp32 activations: each is widened back as it is read, so th
 fp32 kernel's over the rounded weights, for half the weight traffic; with bf16 activations it is
 the native packing.
 
-A verifier's whole decoder stack (every layer's norms, attention block, FFN block and residual
-adds, the final norm and the lm_head) is one more call, `DecoderStack`, over the layers' plans.
+A verifier's whole forward from its token ids (the embedding and RoPE rows, every layer's norms,
+attention block, FFN block and residual adds, the final norm and the lm_head) is one more call,
+`DecoderStack`, over the layers' plans; an EAGLE-3 draft's greedy chain another (`EagleChain`:
+from the fused state, from the verifier's aux states with fc's fusion, or as the fused greedy
+step's acceptance then chain).
 
 This file is the library and its calls; `cpu_modules.py` builds kernel-backed twins of the
 models' modules from their weights and swaps them into a copy of a model (`accelerate`).
@@ -36,6 +41,7 @@ models' modules from their weights and swaps them into a copy of a model (`accel
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import subprocess
@@ -119,10 +125,13 @@ def _load():
     lib.wb_moe_route.argtypes = [p, p, p, p, i, i, i, i, i, i, i, i, f, i, i]
     lib.wb_swiglu.argtypes = [p, p, p, i, i, i, i]
     lib.wb_row_stats.argtypes = [p, lng, i, i, p, p, p, i, i]
+    lib.wb_row_stats_at.argtypes = [p, lng, i, i, p, p, p, p, p, i, i]
     lib.wb_mla_block.argtypes = [p, p, i, p, p, lng, p, p, p, p]
     lib.wb_ffn_block.argtypes = [p, p, i, p]
     lib.wb_eagle_chain.argtypes = [p, p, i, p, p, p, lng, p, i, f, p, p, p]
-    lib.wb_decoder_stack.argtypes = [p, p, i, p, p, lng, lng, p, p, p, i, p, p, i, p, p]
+    lib.wb_eagle_chain_aux.argtypes = [p, p, lng, i, p, i, p, lng, i, p, p, i, p, lng, p, i, f, p, p, p]
+    lib.wb_accept_and_draft.argtypes = [p, p, i, i, p, i, i, p, i, p, p, i, p, i, i, p, p, p]
+    lib.wb_decoder_stack.argtypes = [p, p, p, lng, i, p, p, lng, lng, p, p, p, lng, p, i, p, p, i, p, p]
     lib.wb_set_threads.argtypes, lib.wb_set_min_work.argtypes, lib.wb_pool_trace.argtypes = [i], [lng], [i, p]
     lib.wb_set_min_work.restype = lib.wb_threads_created.restype = lib.wb_pool_jobs.restype = lng
     return lib, f"{path} ({_ISA_NAMES.get(isa, f'wb_isa() {isa}')})"
@@ -159,6 +168,25 @@ def _follow_torch() -> None:
     if wanted != _state.get("applied"):
         _state["applied"] = wanted
         lib.wb_set_threads(wanted)
+
+
+def _watch_torch_threads() -> None:
+    """Wrap `torch.set_num_threads` so that the kernels follow a new count at once (where the library
+    is loaded and no count is pinned): `serves`, on every kernel call, then need not ask torch."""
+    original = torch.set_num_threads
+    if getattr(original, "_workbench_follows", False):  # wrapped already (this module loaded again)
+        return
+
+    @functools.wraps(original)
+    def set_num_threads(n: int) -> None:
+        original(n)
+        _follow_torch()
+
+    set_num_threads._workbench_follows = True
+    torch.set_num_threads = set_num_threads
+
+
+_watch_torch_threads()
 
 
 def set_threads(n: int | None) -> int:
@@ -220,16 +248,22 @@ def serves(x: Tensor, rows: int | None = None) -> bool:
     dim) and MAX_BATCH_ROWS in all, and the library loaded."""
     if torch.is_grad_enabled() or not x.is_cpu or x.dtype not in _DTYPES:
         return False
-    total = x.numel() // max(x.shape[-1], 1)
-    per_sequence = rows if rows is not None else (x.shape[-2] if x.dim() >= 2 else 1)
+    shape = x.shape  # read once: each tensor attribute costs a call on this hot path
+    total = x.numel() // max(shape[-1], 1)
+    per_sequence = rows if rows is not None else (shape[-2] if len(shape) >= 2 else 1)
     if per_sequence > MAX_ROWS or total > MAX_BATCH_ROWS:
         return False
     lib = _state.get("lib", False)
-    if (_lib() if lib is False else lib) is None:
+    return (_lib() if lib is False else lib) is not None  # the thread count: followed as torch's changes
+
+
+def serves_rows(dtype: torch.dtype, per_sequence: int, total: int) -> bool:
+    """`serves` for activations in `dtype` of `per_sequence` tokens a sequence and `total` in all (a
+    call that starts from token ids: no activations yet)."""
+    if torch.is_grad_enabled() or dtype not in _DTYPES or per_sequence > MAX_ROWS or total > MAX_BATCH_ROWS:
         return False
-    if _state["pinned"] is None and torch.get_num_threads() != _state["applied"]:
-        _follow_torch()  # torch's count changed since: the kernels follow it
-    return True
+    lib = _state.get("lib", False)
+    return (_lib() if lib is False else lib) is not None
 
 
 def _ints(values: Sequence[int]):
@@ -450,18 +484,29 @@ def swiglu(h: Tensor, groups: int, weight: Tensor | None = None) -> Tensor:
     return out
 
 
-def row_stats(logits: Tensor, lse: bool = True) -> tuple[list[float], list[int], list[float]]:
+def row_stats(logits: Tensor, lse: bool = True, at: Sequence[int] | None = None):
     """Per row of logits [T, V] (fp32 or bf16): its max, the first index of it (ATen's argmax
     rule) and its log-sum-exp (the max again when `lse` is False), in fp32, as Python lists. A
-    row with a NaN has max NaN; a softmax probability is exp(logit - lse). A greedy step's reads."""
+    row with a NaN has max NaN; a softmax probability is exp(logit - lse). A greedy step's reads.
+    `at` (one index a row): also each row's logit there, as fp32 (exactly: `logits.gather` then
+    `.float()`), a fourth list, from the same call (a greedy acceptance's proposals' logits)."""
     T, V = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    mx, out = torch.empty(T), torch.empty(T)
-    arg = torch.empty(T, dtype=torch.int64)
-    _check(_state["lib"].wb_row_stats(logits.data_ptr(), logits.stride(0), T, V, mx.data_ptr(), arg.data_ptr(),
-                                      out.data_ptr(), int(lse), _DTYPES[logits.dtype]), "wb_row_stats")
-    return mx.tolist(), arg.tolist(), out.tolist()
+    mx, out, arg = (ctypes.c_float * T)(), (ctypes.c_float * T)(), (ctypes.c_long * T)()
+    if at is None:
+        _check(_state["lib"].wb_row_stats(logits.data_ptr(), logits.stride(0), T, V, mx, arg, out, int(lse),
+                                          _DTYPES[logits.dtype]), "wb_row_stats")
+        return list(mx), list(arg), list(out)
+    if len(at) != T:
+        raise ValueError(f"row_stats: {len(at)} indices for {T} rows")
+    picked = (ctypes.c_float * T)()
+    rc = _state["lib"].wb_row_stats_at(logits.data_ptr(), logits.stride(0), T, V, (ctypes.c_long * T)(*at), picked,
+                                       mx, arg, out, int(lse), _DTYPES[logits.dtype])
+    if rc == -3:
+        raise IndexError(f"row_stats: an index in `at` outside [0, {V})")
+    _check(rc, "wb_row_stats_at")
+    return list(mx), list(arg), list(out), list(picked)
 
 
 class _MlaPlan(ctypes.Structure):
@@ -572,9 +617,14 @@ class EagleChain:
 
     def __init__(self, attn: MlaBlock, mlp: FfnBlock, norms: Sequence[tuple[Tensor, float]], embed: Tensor,
                  head: PackedLinear, d2t: Tensor | None, cos2: Tensor, sin2: Tensor, norm_before_residual: bool,
-                 norm_output: bool) -> None:
-        """norms: (weight, eps) of the input, hidden, post-attention and final norms."""
-        self.parts = (attn, mlp, head)
+                 norm_output: bool, fc: PackedLinear | None = None) -> None:
+        """norms: (weight, eps) of the input, hidden, post-attention and final norms. `fc`: the draft's
+        fc (aux states -> the fused state), for `from_aux`; None without one in this dtype."""
+        if fc is not None and (fc.dtype != embed.dtype or fc.k_padded != fc.in_features
+                               or fc.out_features != embed.shape[1]):
+            fc = None  # from_aux needs fc's rows as the kernels pack them, in the chain's dtype
+        self.fc = fc
+        self.parts = (attn, mlp, head, fc)
         self.tensors = [w.detach().contiguous() for w, _ in norms] + [embed.detach().contiguous(), cos2, sin2]
         self.d2t = None if d2t is None else d2t.detach().to(torch.int64).contiguous()
         n_in, n_hid, n_post, n_fin, emb, cos, sin = (t.data_ptr() for t in self.tensors)
@@ -616,6 +666,79 @@ class EagleChain:
             tokens, probs = tokens[:, :made.value], probs[:, :made.value]
         return (tokens, probs) if rows.dim() == 3 else (tokens[0], probs[0])
 
+    def accept_and_draft(self, logits: Tensor, x: Tensor, aux: Sequence[Tensor], rows: Tensor, start: int,
+                         k: int) -> tuple[Tensor, Tensor, bool]:
+        """The fused greedy step's call after the verifier's forward over x [1, T] (= [last verified
+        token] + T - 1 proposals; its logits [T, V], its aux states [1, T, W] each), for one sequence
+        whose draft cache rows [S, L+R] hold `start` positions before x (`wb_accept_and_draft`):
+        `workbench.decoding.fused.accept_and_draft`'s results, (ints [1 + T + k] = [accepted, the T
+        argmaxes, the next k proposals], floats [(T - 1) + T + k] = [p of each proposal, p of each
+        argmax, q of each next proposal], whether every logit row's max is finite), with the draft
+        rows up to the accepted count's written as the unfused chain writes them (the proposals are
+        its bits). The caller sets the draft cache's length."""
+        return _accept_and_draft(self, logits, x, aux, rows, start, k)
+
+    def from_aux(self, ids: Tensor, aux: Sequence[Tensor], rows: Tensor, starts: Sequence[int], k: int,
+                 counts: Sequence[int], stop_below: float | None = None) -> tuple[Tensor, Tensor]:
+        """The chain from the verifier's aux states, fc's fusion in the same call (`wb_eagle_chain_aux`):
+        ids [B, T] int64 and each aux state [B, T, W] in this dtype, sequence b's first counts[b]
+        positions its own (the rest padding), the draft cache's rows [B, S, L+R] -> (tokens [B, k],
+        probs [B, k]), the bits of fc's twin then `__call__` over the real positions."""
+        fc = self.fc
+        B, T = ids.shape
+        S = rows.shape[1]
+        room = min(self.limit, S)
+        if (fc is None or ids.dtype != torch.int64 or rows.dim() != 3 or rows.shape[0] != B
+                or rows.stride(1) != rows.shape[2] or rows.stride(2) != 1 or len(starts) != B or len(counts) != B
+                or any(n < 1 or n > T or s + n + k - 1 > room for s, n in zip(starts, counts))):
+            raise ValueError(f"EagleChain.from_aux: positions {list(counts)} and {k - 1} more from {list(starts)} do "
+                             f"not fit the cache ({S} rows) or the RoPE table ({self.limit}), or there is no fc")
+        if ids.stride(1) != 1:
+            ids = ids.contiguous()
+        W, stride = aux[0].shape[-1], aux[0].stride(0)
+        if (len(aux) * W != fc.in_features
+                or any(a.dtype != self.dtype or a.shape != (B, T, W) for a in aux)):
+            raise ValueError(f"EagleChain.from_aux: expected {fc.in_features // max(W, 1)} aux states "
+                             f"[{B}, {T}, {W}] in {self.dtype}")
+        if any(a.stride(2) != 1 or a.stride(1) != W or a.stride(0) != stride for a in aux):
+            aux = [a.contiguous() for a in aux]
+            stride = T * W
+        tokens, probs = torch.empty(B, k, dtype=torch.int64), torch.empty(B, k)
+        made = ctypes.c_int(k)
+        _check(_state["lib"].wb_eagle_chain_aux(
+            ctypes.byref(self.plan), ids.data_ptr(), ids.stride(0), B, _ints(counts), len(aux),
+            (ctypes.c_void_p * len(aux))(*(a.data_ptr() for a in aux)), stride, W, fc.data.data_ptr(), fc.scale_ptr,
+            fc.wtype, rows.data_ptr(), rows.stride(0), _ints(starts), k, float(stop_below or 0.0), ctypes.byref(made),
+            tokens.data_ptr(), probs.data_ptr()), "wb_eagle_chain_aux")
+        if made.value < k:
+            tokens, probs = tokens[:, :made.value], probs[:, :made.value]
+        return tokens, probs
+
+
+def _accept_and_draft(chain: "EagleChain", logits: Tensor, x: Tensor, aux: Sequence[Tensor], rows: Tensor, start: int,
+                      k: int) -> tuple[Tensor, Tensor, bool]:
+    """`EagleChain.accept_and_draft`'s call (see there)."""
+    fc = chain.fc
+    T, V = logits.shape
+    S = rows.shape[0]
+    if (fc is None or logits.dtype not in _DTYPES or logits.stride(1) != 1 or logits.stride(0) != V
+            or x.shape != (1, T) or x.dtype != torch.int64 or rows.dim() != 2 or rows.stride(0) != rows.shape[1]
+            or rows.stride(1) != 1 or start + T + k - 1 > min(chain.limit, S) or k < 1):
+        raise ValueError(f"EagleChain.accept_and_draft: logits [{T}, V] after x [1, {T}] and {k} proposals from "
+                         f"{start} must fit the cache ({S} rows) and the RoPE table ({chain.limit})")
+    W = aux[0].shape[-1]
+    if len(aux) * W != fc.in_features or any(a.dtype != chain.dtype or a.shape != (1, T, W) for a in aux):
+        raise ValueError(f"EagleChain.accept_and_draft: expected {fc.in_features // max(W, 1)} aux states "
+                         f"[1, {T}, {W}] in {chain.dtype}")
+    aux = [a if a.stride(2) == 1 and a.stride(1) == W else a.contiguous() for a in aux]
+    x = x if x.is_contiguous() else x.contiguous()
+    ints, floats, finite = torch.empty(1 + T + k, dtype=torch.int64), torch.empty(2 * T - 1 + k), ctypes.c_int(0)
+    _check(_state["lib"].wb_accept_and_draft(
+        ctypes.byref(chain.plan), logits.data_ptr(), V, _DTYPES[logits.dtype], x.data_ptr(), T, len(aux),
+        (ctypes.c_void_p * len(aux))(*(a.data_ptr() for a in aux)), W, fc.data.data_ptr(), fc.scale_ptr, fc.wtype,
+        rows.data_ptr(), start, k, ints.data_ptr(), floats.data_ptr(), ctypes.byref(finite)), "wb_accept_and_draft")
+    return ints, floats, bool(finite.value)
+
 
 class _StackPlan(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("attn", "ffn", "input_norm", "post_norm", "input_eps", "post_eps",
@@ -625,11 +748,12 @@ class _StackPlan(ctypes.Structure):
 
 
 class DecoderStack:
-    """A verifier's forward after its embedding in one call (`wb_decoder_stack`): for each layer, the
-    stream entering it kept where it is an aux layer, h += attention(input_norm(h)) (an `MlaBlock`,
-    writing the cache rows), h += ffn(post_norm(h)) (an `FfnBlock`), each add rounded to the dtype
-    as torch's `h + x`; then the final norm and the head over each sequence's last rows. The same
-    kernels on the same rows as the layers' twins call one by one, so the same bits."""
+    """A verifier's forward from its token ids in one call (`wb_decoder_stack`): each token's
+    embedding row and RoPE rows, then for each layer the stream entering it kept where it is an aux
+    layer, h += attention(input_norm(h)) (an `MlaBlock`, writing the cache rows), h +=
+    ffn(post_norm(h)) (an `FfnBlock`), each add rounded to the dtype as torch's `h + x`; then the
+    final norm and the head over each sequence's last rows. The same rows as torch.embedding and
+    the same kernels on the same rows as the layers' twins call one by one, so the same bits."""
 
     def __init__(self, attn: Sequence[MlaBlock], ffn: Sequence[FfnBlock], input_norms: Sequence[tuple[Tensor, float]],
                  post_norms: Sequence[tuple[Tensor, float]], final_norm: tuple[Tensor, float],
@@ -638,7 +762,7 @@ class DecoderStack:
         self.dtype = attn[0].dtype
         if (len(ffn) != n or len(input_norms) != n or len(post_norms) != n or head.dtype != self.dtype
                 or head.k_padded != head.in_features or any(b.plan.hidden != head.in_features for b in (*attn, *ffn))
-                or any(b.dtype != self.dtype for b in (*attn, *ffn))
+                or any(b.dtype != self.dtype for b in (*attn, *ffn)) or len({b.plan.R for b in attn}) != 1
                 or any(w.dtype != self.dtype for w, _ in (*input_norms, *post_norms, final_norm))):
             raise ValueError(f"DecoderStack: every part must be {n} layers' in {self.dtype}")
         self.parts = (list(attn), list(ffn), head)  # kept alive: the plan points into them
@@ -649,31 +773,45 @@ class DecoderStack:
                        (ctypes.c_float * n)(*(eps for _, eps in input_norms)),
                        (ctypes.c_float * n)(*(eps for _, eps in post_norms)))
         self.hidden, self.vocab, self.layers = attn[0].plan.hidden, head.out_features, n
-        self.row_width = attn[0].plan.L + attn[0].plan.R
+        self.row_width, self.rope = attn[0].plan.L + attn[0].plan.R, attn[0].plan.R
         self.plan = _StackPlan(*(ctypes.addressof(a) for a in self.arrays), self.norms[-1].data_ptr(),
                                head.data.data_ptr(), head.scale_ptr, final_norm[1], n, self.hidden, self.vocab,
                                _DTYPES[self.dtype], head.wtype)
 
-    def __call__(self, embeds: Tensor, rows: Tensor, starts: Sequence[int], cos2: Tensor, sin2: Tensor,
-                 aux_ids: Sequence[int], keep: int) -> tuple[Tensor, Tensor, Tensor]:
-        """embeds [B, T, H] in this dtype; rows [layers, B, S, L+R] (a cache's, each sequence's rows
-        contiguous) with room for T new rows at starts[b]; cos2, sin2 [B * T, R]; aux_ids distinct,
-        ascending; 1 <= keep <= T -> (aux [len(aux_ids), B, T, H], normed hidden [B, keep, H],
-        logits [B, keep, vocab])."""
-        B, T, H = embeds.shape
-        if (embeds.dtype != self.dtype or H != self.hidden or rows.dtype != self.dtype or rows.dim() != 4
+    def __call__(self, ids: Tensor, embed: Tensor, rows: Tensor, starts: Sequence[int], cos: Tensor, sin: Tensor,
+                 positions: Sequence[int] | None, aux_ids: Sequence[int],
+                 keep: int) -> tuple[list[Tensor], Tensor, Tensor]:
+        """ids [B, T] int64 (each < embed's rows), embed [vocab, H] in this dtype; rows [layers, B, S,
+        L+R] (a cache's, each sequence's rows contiguous) with room for T new rows at starts[b]; cos,
+        sin [limit, R] the RoPE tables, read at positions[i] for token i ([B * T], in sequence
+        order) or at starts[b] + t where positions is None; aux_ids distinct, ascending; 1 <= keep <=
+        T -> ([aux [B, T, H] per aux id], normed hidden [B, keep, H], logits [B, keep, vocab]).
+        An id outside the embedding raises IndexError."""
+        B, T = ids.shape
+        H = self.hidden
+        if (embed.dtype != self.dtype or embed.dim() != 2 or embed.shape[1] != H or embed.stride(1) != 1
+                or embed.stride(0) != H or ids.dtype != torch.int64 or rows.dtype != self.dtype or rows.dim() != 4
                 or rows.shape[:2] != (self.layers, B) or rows.shape[3] != self.row_width or rows.stride(3) != 1
                 or rows.stride(2) != self.row_width or len(starts) != B or not 1 <= keep <= T
-                or any(s + T > rows.shape[2] for s in starts) or cos2.shape[0] != B * T or sin2.shape[0] != B * T):
-            raise ValueError(f"DecoderStack: embeds must be {self.dtype} [B, T, {self.hidden}] and rows "
-                             f"[{self.layers}, B, S, {self.row_width}] with room for T = {T} from {list(starts)}")
-        embeds, c, s = embeds.contiguous(), cos2.contiguous(), sin2.contiguous()
-        aux = torch.empty(len(aux_ids), B, T, H, dtype=self.dtype)
+                or any(s + T > rows.shape[2] for s in starts) or cos.dtype != self.dtype or cos.shape != sin.shape
+                or cos.dim() != 2 or cos.shape[1] != self.rope or not cos.is_contiguous() or not sin.is_contiguous()
+                or (positions is not None and len(positions) != B * T)):
+            raise ValueError(f"DecoderStack: ids must be int64 [B, T], embed {self.dtype} [vocab, {H}], rows "
+                             f"[{self.layers}, B, S, {self.row_width}] with room for T = {T} from {list(starts)} "
+                             f"and the RoPE tables [limit, {self.rope}]")
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        aux = [torch.empty(B, T, H, dtype=self.dtype) for _ in aux_ids]
         hidden = torch.empty(B, keep, H, dtype=self.dtype)
         logits = torch.empty(B, keep, self.vocab, dtype=self.dtype)
-        _check(_state["lib"].wb_decoder_stack(ctypes.byref(self.plan), embeds.data_ptr(), B, _ints([T] * B),
-                                              rows.data_ptr(), rows.stride(0), rows.stride(1), _ints(starts),
-                                              c.data_ptr(), s.data_ptr(), len(aux_ids), _ints(aux_ids),
-                                              aux.data_ptr(), keep, hidden.data_ptr(), logits.data_ptr()),
-               "wb_decoder_stack")
+        rc = _state["lib"].wb_decoder_stack(
+            ctypes.byref(self.plan), ids.data_ptr(), embed.data_ptr(), embed.shape[0], B, _ints([T] * B),
+            rows.data_ptr(), rows.stride(0), rows.stride(1), _ints(starts), cos.data_ptr(), sin.data_ptr(),
+            cos.shape[0], None if positions is None else _ints(positions), len(aux_ids), _ints(aux_ids),
+            (ctypes.c_void_p * len(aux))(*(a.data_ptr() for a in aux)), keep, hidden.data_ptr(), logits.data_ptr())
+        if rc == -4:
+            raise IndexError(f"DecoderStack: a token id outside the embedding's {embed.shape[0]} rows")
+        if rc == -3:
+            raise ValueError(f"DecoderStack: a position outside the RoPE tables' {cos.shape[0]} rows")
+        _check(rc, "wb_decoder_stack")
         return aux, hidden, logits

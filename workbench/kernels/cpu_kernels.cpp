@@ -12,14 +12,17 @@
 //   wb_attention  absorbed-MLA attention of T new tokens over one sequence's latent cache rows
 //   wb_moe_route  DeepSeek-V3 routing (sigmoid, bias, group-limited top-k) to dense weights
 //   wb_swiglu     silu(gate) * up, times a routing weight per group
-//   wb_row_stats  each logit row's max, first argmax and log-sum-exp (greedy steps, probabilities)
+//   wb_row_stats  each logit row's max, first argmax and log-sum-exp (greedy steps, probabilities);
+//                 wb_row_stats_at also each row's logit at a given index (a proposal's)
 //   wb_mla_block  a whole absorbed-MLA attention (projections, norms, RoPE, cache writes, attention)
 //                 over a batch of sequences, each with its own new tokens and length
 //   wb_ffn_block  a whole SwiGLU MLP or dense-expert MoE (routing, experts, shared experts)
 //   wb_eagle_chain  an EAGLE-3 draft's greedy chain for a batch of sequences: the first pass, k-1
-//                 more, each head's argmax
-//   wb_decoder_stack  a verifier's whole forward after the embedding: every layer (aux captures,
-//                 norms, wb_mla_block, wb_ffn_block, residual adds), the final norm, the lm_head
+//                 more, each head's argmax (wb_eagle_chain_aux: fc's fusion of the aux states first;
+//                 wb_accept_and_draft: a fused step's greedy acceptance, then the chain)
+//   wb_decoder_stack  a verifier's whole forward from its token ids: the embedding and RoPE rows,
+//                 every layer (aux captures, norms, wb_mla_block, wb_ffn_block, residual adds),
+//                 the final norm, the lm_head
 // The two blocks only sequence the kernels above over scratch buffers, so that a layer is two
 // calls from Python instead of a dozen (at this size the calls, not the arithmetic, are the cost).
 //
@@ -545,28 +548,47 @@ constexpr int tile_blocks(int MB) { return WB_AVX512 ? NB : MB <= 2 ? NB / MB : 
 inline V16 load_w(const float* p) { return loadf(p); }
 inline V16 load_w(const uint16_t* p) { return bf16_to_v16(p); }  // bf16 weights widened exactly
 
+// sum[m][b] += wv[b] * x[m][k] for rows m < MB, blocks b < B: one k of an fp32-weight tile (the
+// weights fp32, or bf16 or int8 ones already widened to fp32), each row's fmas in block order.
+template <int MB, int B>
+__attribute__((always_inline)) inline void fma_rows(V16 (&wv)[B], const float* __restrict x, int K, int k,
+                                                    V16 (&sum)[MB][B]) {
+#if WB_AVX2  // several rows: keep the weights in registers (GCC would fold them into each row's fma
+            // as a memory operand, and AVX2's loads would then outnumber its fmas)
+    if constexpr (MB > 1)
+        for (int b = 0; b < B; ++b)
+            for (int h = 0; h < NR; ++h) asm("" : "+x"(wv[b].r[h]));
+#endif
+    for (int m = 0; m < MB; ++m) {
+        const V16 xv = set1(x[size_t(m) * K + k]);
+        for (int b = 0; b < B; ++b) sum[m][b] = fma(wv[b], xv, sum[m][b]);
+    }
+}
+
+// The k's a linear sums over: ranges [k[2i], k[2i+1]), ascending, n of them; {0, K} the whole row.
+// A linear whose x is zero outside some ranges of k (the MoE's down projection: the experts no row
+// was routed to) reads only the weights of the others. Leaving out a product w * 0 (a signed zero)
+// leaves each sum's value as it is (an fma adding +-0 to a nonzero sum, or to +0, returns it); at
+// most the sign of an exact zero sum can differ, which no later operation tells apart.
+struct Spans {
+    const int* k;
+    int n;
+};
+
 // acc[m][at + b] for rows m < MB, blocks b < B: fp32 weights, or bf16 ones (wtype 4) widened to
 // fp32 as they are read, with the same fmas in the same order
 template <int MB, int B, class WT>
-void tile_f32(const WT* __restrict w, size_t bstride, const float* __restrict x, int K, int at,
+void tile_f32(const WT* __restrict w, size_t bstride, const float* __restrict x, int K, Spans ks, int at,
               V16 (&acc)[4][NB]) {
     V16 sum[MB][B];
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) sum[m][b] = zero();
-    for (int k = 0; k < K; ++k) {
-        V16 wv[B];
-        for (int b = 0; b < B; ++b) wv[b] = load_w(w + b * bstride + size_t(k) * 16);
-#if WB_AVX2  // several rows: keep the weights in registers (GCC would fold them into each row's fma
-            // as a memory operand, and AVX2's loads would then outnumber its fmas)
-        if constexpr (MB > 1)
-            for (int b = 0; b < B; ++b)
-                for (int h = 0; h < NR; ++h) asm("" : "+x"(wv[b].r[h]));
-#endif
-        for (int m = 0; m < MB; ++m) {
-            const V16 xv = set1(x[size_t(m) * K + k]);
-            for (int b = 0; b < B; ++b) sum[m][b] = fma(wv[b], xv, sum[m][b]);
+    for (int i = 0; i < ks.n; ++i)
+        for (int k = ks.k[2 * i]; k < ks.k[2 * i + 1]; ++k) {
+            V16 wv[B];
+            for (int b = 0; b < B; ++b) wv[b] = load_w(w + b * bstride + size_t(k) * 16);
+            fma_rows<MB, B>(wv, x, K, k, sum);
         }
-    }
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) acc[m][at + b] = sum[m][b];
 }
@@ -583,30 +605,26 @@ constexpr int QK = 32;  // k's per scale of a blocked int8 weight (wtype 3)
 
 template <int MB, int B, bool BLOCKED>
 void tile_i8(const int8_t* __restrict w, size_t bstride, const float* __restrict s, size_t sstride,
-             const float* __restrict x, int K, int at, V16 (&acc)[4][NB]) {
+             const float* __restrict x, int K, Spans ks, int at, V16 (&acc)[4][NB]) {
     V16 sum[MB][B];
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) sum[m][b] = zero();
-    for (int k0 = 0, ks = 0; k0 < K; k0 += BLOCKED ? QK : K, ++ks) {
-        const int k1 = BLOCKED && k0 + QK < K ? k0 + QK : K;
-        V16 sv[B];
-        if constexpr (BLOCKED)
-            for (int b = 0; b < B; ++b) sv[b] = loadf(s + b * sstride + size_t(ks) * 16);
-        for (int k = k0; k < k1; ++k) {
-            V16 wv[B];
-            for (int b = 0; b < B; ++b) {
-                wv[b] = i8_to_v16(w + b * bstride + size_t(k) * 16);
-                if constexpr (BLOCKED) wv[b] = mul(wv[b], sv[b]);
+    for (int i = 0; i < ks.n; ++i) {
+        const int end = ks.k[2 * i + 1];
+        for (int k0 = ks.k[2 * i]; k0 < end;) {  // blocked: each run of k's under one scale
+            const int k1 = BLOCKED ? std::min(end, (k0 / QK + 1) * QK) : end;
+            V16 sv[B];
+            if constexpr (BLOCKED)
+                for (int b = 0; b < B; ++b) sv[b] = loadf(s + b * sstride + size_t(k0 / QK) * 16);
+            for (int k = k0; k < k1; ++k) {
+                V16 wv[B];
+                for (int b = 0; b < B; ++b) {
+                    wv[b] = i8_to_v16(w + b * bstride + size_t(k) * 16);
+                    if constexpr (BLOCKED) wv[b] = mul(wv[b], sv[b]);
+                }
+                fma_rows<MB, B>(wv, x, K, k, sum);
             }
-#if WB_AVX2  // as tile_f32: the widened weights stay in registers for the rows
-            if constexpr (MB > 1)
-                for (int b = 0; b < B; ++b)
-                    for (int h = 0; h < NR; ++h) asm("" : "+x"(wv[b].r[h]));
-#endif
-            for (int m = 0; m < MB; ++m) {
-                const V16 xv = set1(x[size_t(m) * K + k]);
-                for (int b = 0; b < B; ++b) sum[m][b] = fma(wv[b], xv, sum[m][b]);
-            }
+            k0 = k1;
         }
     }
     for (int b = 0; b < B; ++b) {
@@ -616,55 +634,56 @@ void tile_i8(const int8_t* __restrict w, size_t bstride, const float* __restrict
 }
 
 template <int MB, int B>
-void tile_bf16(const uint16_t* __restrict w, size_t bstride, const uint16_t* __restrict x, int K, int at,
+void tile_bf16(const uint16_t* __restrict w, size_t bstride, const uint16_t* __restrict x, int K, Spans ks, int at,
                V16 (&acc)[4][NB]) {
     V16 sum[MB][B];
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) sum[m][b] = zero();
-    const int K2 = K / 2;
-    for (int kk = 0; kk < K2; ++kk) {
-        I16 wv[B];
-        for (int b = 0; b < B; ++b) wv[b] = load_pairs(w + b * bstride + size_t(kk) * 32);
-        for (int m = 0; m < MB; ++m) {
-            int32_t pair;
-            std::memcpy(&pair, x + size_t(m) * K + 2 * kk, 4);
-            const I16 xv = set1_pair(pair);
-            for (int b = 0; b < B; ++b) sum[m][b] = dot_pairs(sum[m][b], wv[b], xv);
+    for (int i = 0; i < ks.n; ++i)  // the ranges' ends are even here (pairs of k)
+        for (int kk = ks.k[2 * i] / 2; kk < ks.k[2 * i + 1] / 2; ++kk) {
+            I16 wv[B];
+            for (int b = 0; b < B; ++b) wv[b] = load_pairs(w + b * bstride + size_t(kk) * 32);
+            for (int m = 0; m < MB; ++m) {
+                int32_t pair;
+                std::memcpy(&pair, x + size_t(m) * K + 2 * kk, 4);
+                const I16 xv = set1_pair(pair);
+                for (int b = 0; b < B; ++b) sum[m][b] = dot_pairs(sum[m][b], wv[b], xv);
+            }
         }
-    }
     for (int m = 0; m < MB; ++m)
         for (int b = 0; b < B; ++b) acc[m][at + b] = sum[m][b];
 }
 
 // `blocks` (<= NB) blocks from block `at` for MB rows, in tiles of at most TB blocks; WT the weight type
 template <int MB, int WT, int TB = tile_blocks(MB), int B = TB>
-void run_blocks(const void* w, size_t bstride, const float* s, size_t sstride, const void* x, int K, int blocks, int at,
-                V16 (&acc)[4][NB]) {
+void run_blocks(const void* w, size_t bstride, const float* s, size_t sstride, const void* x, int K, Spans ks,
+                int blocks, int at, V16 (&acc)[4][NB]) {
     if constexpr (B > 1)
-        if (blocks < B) return run_blocks<MB, WT, TB, B - 1>(w, bstride, s, sstride, x, K, blocks, at, acc);
+        if (blocks < B) return run_blocks<MB, WT, TB, B - 1>(w, bstride, s, sstride, x, K, ks, blocks, at, acc);
     if constexpr (WT == 4)
-        tile_f32<MB, B>(static_cast<const uint16_t*>(w) + at * bstride, bstride, static_cast<const float*>(x), K, at,
-                        acc);
+        tile_f32<MB, B>(static_cast<const uint16_t*>(w) + at * bstride, bstride, static_cast<const float*>(x), K, ks,
+                        at, acc);
     else if constexpr (WT >= 2)
         tile_i8<MB, B, WT == 3>(static_cast<const int8_t*>(w) + at * bstride, bstride, s + at * sstride, sstride,
-                                static_cast<const float*>(x), K, at, acc);
+                                static_cast<const float*>(x), K, ks, at, acc);
     else if constexpr (WT == 1)
         tile_bf16<MB, B>(static_cast<const uint16_t*>(w) + at * bstride, bstride, static_cast<const uint16_t*>(x), K,
-                         at, acc);
+                         ks, at, acc);
     else
-        tile_f32<MB, B>(static_cast<const float*>(w) + at * bstride, bstride, static_cast<const float*>(x), K, at, acc);
-    if (blocks > B) run_blocks<MB, WT>(w, bstride, s, sstride, x, K, blocks - B, at + B, acc);
+        tile_f32<MB, B>(static_cast<const float*>(w) + at * bstride, bstride, static_cast<const float*>(x), K, ks, at,
+                        acc);
+    if (blocks > B) run_blocks<MB, WT>(w, bstride, s, sstride, x, K, ks, blocks - B, at + B, acc);
 }
 
 template <int MB>
-void run_rows(const void* w, size_t bstride, const float* s, size_t sstride, const void* x, int K, int wtype,
-              int blocks, V16 (&acc)[4][NB]) {
+void run_rows(const void* w, size_t bstride, const float* s, size_t sstride, const void* x, int K, Spans ks,
+              int wtype, int blocks, V16 (&acc)[4][NB]) {
     switch (wtype) {
-        case 0: return run_blocks<MB, 0>(w, bstride, s, sstride, x, K, blocks, 0, acc);
-        case 1: return run_blocks<MB, 1>(w, bstride, s, sstride, x, K, blocks, 0, acc);
-        case 2: return run_blocks<MB, 2>(w, bstride, s, sstride, x, K, blocks, 0, acc);
-        case 4: return run_blocks<MB, 4>(w, bstride, s, sstride, x, K, blocks, 0, acc);
-        default: return run_blocks<MB, 3>(w, bstride, s, sstride, x, K, blocks, 0, acc);
+        case 0: return run_blocks<MB, 0>(w, bstride, s, sstride, x, K, ks, blocks, 0, acc);
+        case 1: return run_blocks<MB, 1>(w, bstride, s, sstride, x, K, ks, blocks, 0, acc);
+        case 2: return run_blocks<MB, 2>(w, bstride, s, sstride, x, K, ks, blocks, 0, acc);
+        case 4: return run_blocks<MB, 4>(w, bstride, s, sstride, x, K, ks, blocks, 0, acc);
+        default: return run_blocks<MB, 3>(w, bstride, s, sstride, x, K, ks, blocks, 0, acc);
     }
 }
 
@@ -677,7 +696,7 @@ inline size_t weight_size(int wtype) { return wtype == 0 ? 4 : wtype == 1 || wty
 // wb_linear_w over the columns of NB blocks g0..g1-1: a thread's share, tiled as one thread tiles
 // it. x is fp32 for int8 weights (wtype 2, 3), else in dtype (fp32 for bf16 weights, wtype 4).
 void linear_columns(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
-                    int dtype, int wtype, int g0, int g1) {
+                    int dtype, int wtype, Spans ks, int g0, int g1) {
     const size_t wsize = weight_size(wtype), xsize = wtype >= 2 || !dtype ? 4 : 2;
     const size_t bstride = size_t(K) * 16;  // elements per 16-output block
     const size_t sstride = scale_stride(K, wtype);
@@ -691,10 +710,10 @@ void linear_columns(const void* w, const float* s, const void* x, void* y, const
             const char* xp = static_cast<const char*>(x) + size_t(m0) * K * xsize;
             V16 acc[4][NB];
             switch (mb) {
-                case 1: run_rows<1>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
-                case 2: run_rows<2>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
-                case 3: run_rows<3>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
-                default: run_rows<4>(wp, bstride, sp, sstride, xp, K, wtype, blocks, acc); break;
+                case 1: run_rows<1>(wp, bstride, sp, sstride, xp, K, ks, wtype, blocks, acc); break;
+                case 2: run_rows<2>(wp, bstride, sp, sstride, xp, K, ks, wtype, blocks, acc); break;
+                case 3: run_rows<3>(wp, bstride, sp, sstride, xp, K, ks, wtype, blocks, acc); break;
+                default: run_rows<4>(wp, bstride, sp, sstride, xp, K, ks, wtype, blocks, acc); break;
             }
             for (int m = 0; m < mb; ++m)
                 for (int b = 0; b < blocks; ++b) {
@@ -714,6 +733,26 @@ void linear_columns(const void* w, const float* s, const void* x, void* y, const
     }
 }
 
+// wb_linear_w over the k's of `ks` only (x is zero outside them)
+int linear_spans(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
+                 int dtype, int wtype, Spans ks) {
+    if (wtype != dtype && !(wtype >= 2 && wtype <= 3 && s) && !(wtype == 4 && dtype == 0)) return -2;
+    const void* xs = x;
+    if (wtype >= 2 && dtype) {  // bf16 activations widened once (exactly) for the int8 tiles
+        thread_local std::vector<float> widened;
+        widened.resize(size_t(M) * K);
+        for (size_t i = 0; i < widened.size(); ++i) widened[i] = load(x, 1, i);
+        xs = widened.data();
+    }
+    long width = 0;
+    for (int i = 0; i < ks.n; ++i) width += ks.k[2 * i + 1] - ks.k[2 * i];
+    const int columns = ((N + 15) / 16 + NB - 1) / NB;
+    pool::parallel_for(columns, double(M) * N * width, [&](int g0, int g1) {
+        linear_columns(w, s, xs, y, residual, M, N, K, dtype, wtype, ks, g0, g1);
+    });
+    return 0;
+}
+
 }  // namespace
 #endif
 
@@ -727,19 +766,8 @@ extern "C" {
 int wb_linear_w(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
                 int dtype, int wtype) {
 #if WB_SIMD
-    if (wtype != dtype && !(wtype >= 2 && wtype <= 3 && s) && !(wtype == 4 && dtype == 0)) return -2;
-    const void* xs = x;
-    if (wtype >= 2 && dtype) {  // bf16 activations widened once (exactly) for the int8 tiles
-        thread_local std::vector<float> widened;
-        widened.resize(size_t(M) * K);
-        for (size_t i = 0; i < widened.size(); ++i) widened[i] = load(x, 1, i);
-        xs = widened.data();
-    }
-    const int columns = ((N + 15) / 16 + NB - 1) / NB;
-    pool::parallel_for(columns, double(M) * N * K, [&](int g0, int g1) {
-        linear_columns(w, s, xs, y, residual, M, N, K, dtype, wtype, g0, g1);
-    });
-    return 0;
+    const int whole[2] = {0, K};
+    return linear_spans(w, s, x, y, residual, M, N, K, dtype, wtype, {whole, 1});
 #else
     return -1;
 #endif
@@ -762,9 +790,11 @@ int wb_rms_norm(const void* x, long x_stride, const void* weight, void* y, long 
             const V16 v = load16n(x, dtype, row + h, H - h);
             ss = fma(v, v, ss);
         }
-        const float inv = 1.0f / std::sqrt(reduce_add(ss) / float(H) + eps);
-        for (int h = 0; h < H; ++h)
-            store(y, dtype, out + h, round_to(load(x, dtype, row + h) * inv, dtype) * load(weight, dtype, h));
+        const V16 inv = set1(1.0f / std::sqrt(reduce_add(ss) / float(H) + eps));
+        for (int h = 0; h < H; h += 16) {  // each lane: round(x * inv) * weight, rounded as it is stored
+            const V16 v = round16(mul(load16n(x, dtype, row + h, H - h), inv), dtype);
+            store16n(y, dtype, out + h, mul(v, load16n(weight, dtype, h, H - h)), H - h);
+        }
     }
     return 0;
 #else
@@ -781,11 +811,12 @@ int wb_rope(const void* a, const void* b, long ab_stride, const void* cos, const
 #if WB_SIMD
     for (int t = 0; t < T; ++t)
         for (int h = 0; h < N; ++h)
-            for (int r = 0; r < R; ++r) {
+            for (int r = 0; r < R; r += 16) {  // 16 lanes at a time, each rounded as the scalar formula
                 const size_t i = size_t(t) * ab_stride + size_t(h) * R + r, c = size_t(t) * R + r;
-                const float v = round_to(load(a, dtype, i) * load(cos, dtype, c), dtype) +
-                                round_to(load(b, dtype, i) * load(sin, dtype, c), dtype);
-                store(y, dtype, size_t(t) * y_stride + size_t(h) * R + r, v);
+                const int left = R - r;
+                const V16 v = add(round16(mul(load16n(a, dtype, i, left), load16n(cos, dtype, c, left)), dtype),
+                                  round16(mul(load16n(b, dtype, i, left), load16n(sin, dtype, c, left)), dtype));
+                store16n(y, dtype, size_t(t) * y_stride + size_t(h) * R + r, v, left);
             }
     return 0;
 #else
@@ -793,48 +824,162 @@ int wb_rope(const void* a, const void* b, long ab_stride, const void* cos, const
 #endif
 }
 
+}  // extern "C"
+
+#if WB_SIMD
+namespace {
+
+// The 16 sums reduce_add(a[r]), r < 16, as one vector (lane r). Under AVX-512 a transpose that
+// makes the additions of reduce_add's tree (GCC's _mm512_reduce_add_ps: the 256-bit halves high +
+// low, the 128-bit halves, lanes {0,1} + {2,3}, lane 0 + lane 1) for the 16 at once: each sum the
+// same value as reduce_add's (IEEE addition is commutative), in 15 additions where reduce_add
+// takes 4 each, and no trip through a scalar.
+inline V16 reduce_add16(const V16* a) {
+#if WB_AVX512
+    // the quarters of the result hold rows perm[i] of the inputs below; perm is its own inverse, so
+    // feeding row perm[i] as input i puts row i in lane i
+    constexpr int perm[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+    __m512 c[8], d[4], e[2];
+    for (int k = 0; k < 8; ++k) {  // inputs k, k+8: high 256 + low 256 (quarters: k's 8 sums, then k+8's)
+        const __m512 x = a[perm[k]].r[0], y = a[perm[k + 8]].r[0];
+        c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)));
+    }
+    for (int k = 0; k < 4; ++k)  // high 128 + low 128: a quarter each of inputs k, k+8, k+4, k+12
+        d[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[k], c[k + 4], _MM_SHUFFLE(3, 1, 3, 1)),
+                             _mm512_shuffle_f32x4(c[k], c[k + 4], _MM_SHUFFLE(2, 0, 2, 0)));
+    for (int k = 0; k < 2; ++k)  // lanes {0,1} + {2,3} of each quarter, for d[k] and d[k+2]
+        e[k] = _mm512_add_ps(_mm512_shuffle_ps(d[k], d[k + 2], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(d[k], d[k + 2], _MM_SHUFFLE(3, 2, 3, 2)));
+    return {_mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),  // lane 0 + lane 1
+                          _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)))};
+#else
+    alignas(64) float s[16];
+    for (int r = 0; r < 16; ++r) s[r] = reduce_add(a[r]);
+    return loadf(s);
+#endif
+}
+
+// The output of G heads of one token (G <= 4), for CB (<= 4) 16-lane chunks of the latent from
+// chunk c0: out_h = sum_j p_h[j] rows_j / sum_j p_h[j], each lane's fmas over j in order (the rows
+// read once for the G heads). rowf [n][Dp] fp32, p[h] the softmax numerators, inv[h] 1 / their sum.
+template <int G, int CB>
+void attend_rows(const float* rowf, int Dp, int n, const float* const* p, const V16* inv, void* out,
+                 const size_t* o, int L, int c0, int dtype) {
+    V16 acc[G][CB];
+    for (int h = 0; h < G; ++h)
+        for (int c = 0; c < CB; ++c) acc[h][c] = zero();
+    for (int j = 0; j < n; ++j) {
+        V16 rv[CB];
+        for (int c = 0; c < CB; ++c) rv[c] = loadf(rowf + size_t(j) * Dp + (c0 + c) * 16);
+        for (int h = 0; h < G; ++h) {
+            const V16 pv = set1(p[h][j]);
+            for (int c = 0; c < CB; ++c) acc[h][c] = fma(pv, rv[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < G; ++h)
+        for (int c = 0; c < CB; ++c) {
+            const int l = (c0 + c) * 16;
+            store16n(out, dtype, o[h] + l, mul(acc[h][c], inv[h]), L - l);
+        }
+}
+
+template <int G>
+void attend_chunks(const float* rowf, int Dp, int n, const float* const* p, const V16* inv, void* out,
+                   const size_t* o, int L, int dtype) {
+    const int chunks = (L + 15) / 16;
+    for (int c0 = 0; c0 < chunks; c0 += 4) {
+        switch (chunks - c0 < 4 ? chunks - c0 : 4) {
+            case 1: attend_rows<G, 1>(rowf, Dp, n, p, inv, out, o, L, c0, dtype); break;
+            case 2: attend_rows<G, 2>(rowf, Dp, n, p, inv, out, o, L, c0, dtype); break;
+            case 3: attend_rows<G, 3>(rowf, Dp, n, p, inv, out, o, L, c0, dtype); break;
+            default: attend_rows<G, 4>(rowf, Dp, n, p, inv, out, o, L, c0, dtype); break;
+        }
+    }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
 // Absorbed MLA over one sequence: q_lat [T, N, L], q_pe [T, N, R] (q_stride / pe_stride elements
 // between tokens, heads contiguous within), cache rows [>= start+T, L+R]; new token t sits at
 // position start+t and sees rows 0..start+t. out [T, N, L] in dtype.
 // score = scale * (q_lat . c_kv + q_pe . k_pe); softmax in fp32; out = sum_j p_j c_kv_j / sum_j p_j.
+// Each (token, head) is computed alone, by the same operations whatever the call's T and thread
+// count: its score for row j the fmas over [latent | rope] in 16-lane chunks in order, then their
+// tree sum (reduce_add), times scale; the max, the exps and their sum lane by lane; each output lane
+// its fmas over the rows in order. The rows are widened to fp32 once a call (zero-padded to whole
+// chunks, as the masked loads read them) and read by up to 4 heads of a token at a time.
 int wb_attention(const void* q_lat, const void* q_pe, long q_stride, long pe_stride, const void* rows, void* out,
                  int T, int N, int L, int R, int start, float scale, int dtype) {
 #if WB_SIMD
     const int D = L + R, Lp = (L + 15) / 16 * 16, Dp = Lp + (R + 15) / 16 * 16;  // q: latent, then rope, each padded
     if (Dp > 1024) return -2;
+    const int n_all = start + T, n_pad = (n_all + 15) / 16 * 16, chunks = Dp / 16;
+    thread_local std::vector<float> rowf_buf;  // rows 0..n_all-1 in fp32 [n_pad][Dp], padding zero
+    if (rowf_buf.size() < size_t(n_pad) * Dp + 16) rowf_buf.resize(size_t(n_pad) * Dp + 16);
+    float* rowf = rowf_buf.data();
+    for (int j = 0; j < n_pad; ++j) {
+        float* to = rowf + size_t(j) * Dp;
+        if (j >= n_all) {
+            for (int d = 0; d < Dp; d += 16) storef(to + d, zero());
+            continue;
+        }
+        const size_t row = size_t(j) * D;
+        for (int d = 0; d < L; d += 16) storef(to + d, load16n(rows, dtype, row + d, L - d));
+        for (int d = 0; d < R; d += 16) storef(to + Lp + d, load16n(rows, dtype, row + L + d, R - d));
+    }
     // (token, head) pairs split over the pool: each is computed alone, whichever thread runs it
     const double work = double(T) * N * (start + T) * (D + L);
     pool::parallel_for(T * N, work, [&](int i0, int i1) {
-        std::vector<float> s(start + T + 16);
-        alignas(64) float q[1024];
-        for (int i = i0; i < i1; ++i) {
-            const int t = i / N, hd = i % N, n = start + t + 1;
-            for (int d = 0; d < Dp; ++d) q[d] = 0.f;
-            for (int l = 0; l < L; ++l) q[l] = load(q_lat, dtype, size_t(t) * q_stride + size_t(hd) * L + l);
-            for (int r = 0; r < R; ++r) q[Lp + r] = load(q_pe, dtype, size_t(t) * pe_stride + size_t(hd) * R + r);
-            float mx = -INFINITY;
-            for (int j = 0; j < n; ++j) {
-                const size_t row = size_t(j) * D;
-                V16 acc = zero();
-                for (int d = 0; d < L; d += 16) acc = fma(loadf(q + d), load16n(rows, dtype, row + d, L - d), acc);
-                for (int d = 0; d < R; d += 16)
-                    acc = fma(loadf(q + Lp + d), load16n(rows, dtype, row + L + d, R - d), acc);
-                s[j] = reduce_add(acc) * scale;
-                mx = s[j] > mx ? s[j] : mx;
+        std::vector<float> s(4 * size_t(n_pad));
+        alignas(64) float q[4][1024];
+        for (int i = i0; i < i1;) {
+            const int t = i / N, h0 = i % N, n = start + t + 1;
+            const int g = std::min({4, N - h0, i1 - i});  // heads h0..h0+g-1 of token t, together
+            float* p[4];
+            V16 inv[4];
+            size_t o[4];
+            for (int h = 0; h < g; ++h) {
+                const int hd = h0 + h;
+                float* qh = q[h];
+                for (int d = 0; d < Dp; ++d) qh[d] = 0.f;
+                for (int l = 0; l < L; ++l) qh[l] = load(q_lat, dtype, size_t(t) * q_stride + size_t(hd) * L + l);
+                for (int r = 0; r < R; ++r) qh[Lp + r] = load(q_pe, dtype, size_t(t) * pe_stride + size_t(hd) * R + r);
+                p[h] = s.data() + size_t(h) * n_pad;
+                o[h] = (size_t(t) * N + hd) * L;
+                // scores, 16 rows at a time (rows past n are computed on the padding and not used)
+                V16 mxv = set1(-INFINITY);
+                for (int j0 = 0; j0 < n; j0 += 16) {
+                    V16 acc[16];
+                    for (int r = 0; r < 16; ++r) acc[r] = zero();
+                    for (int c = 0; c < chunks; ++c) {
+                        const V16 qc = loadf(qh + c * 16);
+                        const float* rc = rowf + size_t(j0) * Dp + c * 16;
+                        for (int r = 0; r < 16; ++r) acc[r] = fma(qc, loadf(rc + size_t(r) * Dp), acc[r]);
+                    }
+                    const V16 sc = mul(reduce_add16(acc), set1(scale));
+                    storef(p[h] + j0, sc);
+                    mxv = vmax(select(lanes(n - j0), sc, set1(-INFINITY)), mxv);  // a NaN score is passed over
+                }
+                const float mx = reduce_max(mxv);
+                V16 sumv = zero();
+                for (int j = 0; j < n; j += 16) {
+                    const V16 e = select(lanes(n - j), exp_neg(sub(load16n(p[h], 0, j, n - j), set1(mx))), zero());
+                    store16n(p[h], 0, j, e, n - j);
+                    sumv = add(sumv, e);
+                }
+                inv[h] = set1(1.0f / reduce_add(sumv));
             }
-            V16 sumv = zero();
-            for (int j = 0; j < n; j += 16) {
-                const V16 e = select(lanes(n - j), exp_neg(sub(load16n(s.data(), 0, j, n - j), set1(mx))), zero());
-                store16n(s.data(), 0, j, e, n - j);
-                sumv = add(sumv, e);
+            switch (g) {
+                case 1: attend_chunks<1>(rowf, Dp, n, p, inv, out, o, L, dtype); break;
+                case 2: attend_chunks<2>(rowf, Dp, n, p, inv, out, o, L, dtype); break;
+                case 3: attend_chunks<3>(rowf, Dp, n, p, inv, out, o, L, dtype); break;
+                default: attend_chunks<4>(rowf, Dp, n, p, inv, out, o, L, dtype); break;
             }
-            const V16 inv = set1(1.0f / reduce_add(sumv));
-            const size_t o = (size_t(t) * N + hd) * L;
-            for (int l = 0; l < L; l += 16) {
-                V16 acc = zero();
-                for (int j = 0; j < n; ++j) acc = fma(set1(s[j]), load16n(rows, dtype, size_t(j) * D + l, L - l), acc);
-                store16n(out, dtype, o + l, mul(acc, inv), L - l);
-            }
+            i += g;
         }
     });
     return 0;
@@ -852,13 +997,22 @@ int wb_moe_route(const void* x, const float* weight, const float* bias, float* d
                  int extra, int n_group, int topk_group, int top_k, int norm, float scaling, int sigmoid, int dtype) {
 #if WB_SIMD
     if (E > 256 || top_k > E) return -2;
-    float score[256], choice[256];
+    alignas(64) float score[256 + 16];
+    float choice[256];
     bool keep[256];
+    // the weights transposed, [H][Ep] (zero past E), so that 16 experts' sums run side by side: each
+    // lane's sum is the scalar loop's, a product (rounded) then a sum (rounded) per h, in order
+    const int Ep = (E + 15) / 16 * 16;
+    thread_local std::vector<float> wt;
+    wt.assign(size_t(H) * Ep, 0.f);
+    for (int e = 0; e < E; ++e)
+        for (int h = 0; h < H; ++h) wt[size_t(h) * Ep + e] = weight[size_t(e) * H + h];
     for (int t = 0; t < T; ++t) {
-        for (int e = 0; e < E; ++e) {
-            float acc = 0.f;
-            for (int h = 0; h < H; ++h) acc += load(x, dtype, size_t(t) * H + h) * weight[size_t(e) * H + h];
-            score[e] = acc;
+        for (int e0 = 0; e0 < Ep; e0 += 16) {
+            V16 acc = zero();
+            for (int h = 0; h < H; ++h)
+                acc = add(acc, mul(set1(load(x, dtype, size_t(t) * H + h)), loadf(wt.data() + size_t(h) * Ep + e0)));
+            storef(score + e0, acc);
         }
         if (sigmoid) {
             for (int e = 0; e < E; ++e) score[e] = 1.0f / (1.0f + std::exp(-score[e]));
@@ -980,6 +1134,21 @@ int wb_row_stats(const void* logits, long stride, int T, int V, float* mx_out, l
 #endif
 }
 
+// wb_row_stats, and for each row t the logit at index pick[t] (as fp32, exactly) into picked_out[t]:
+// a greedy acceptance's reads of the proposals' logits beside each row's max, argmax and
+// log-sum-exp, in one call. An index outside [0, V) returns -3 before anything is written.
+int wb_row_stats_at(const void* logits, long stride, int T, int V, const long* pick, float* picked_out,
+                    float* mx_out, long* arg_out, float* lse_out, int with_lse, int dtype) {
+#if WB_SIMD
+    for (int t = 0; t < T; ++t)
+        if (pick[t] < 0 || pick[t] >= V) return -3;
+    for (int t = 0; t < T; ++t) picked_out[t] = load(logits, dtype, size_t(t) * stride + size_t(pick[t]));
+    return wb_row_stats(logits, stride, T, V, mx_out, arg_out, lse_out, with_lse, dtype);
+#else
+    return -1;
+#endif
+}
+
 // ---- blocks ---------------------------------------------------------------------------------
 // Weights and sizes of one attention or FFN, filled once per module (workbench/kernels/cpu.py).
 struct MlaPlan {
@@ -1091,9 +1260,17 @@ int wb_ffn_block(const FfnPlan* p, const void* x, int T, void* out) {
     char* H = buf + (d_bytes + 63) / 64 * 64;
     char* act = H + (g_bytes + 63) / 64 * 64;
     int rc = 0;
-    if (p->router)
+    std::vector<int> used;  // with a router: the groups some row is routed to (shared experts always)
+    long routed = 0;        // rows over all of them
+    if (p->router) {
         rc |= wb_moe_route(x, p->router, p->bias, dense, T, p->hidden, p->experts, G - p->experts, p->n_group,
                            p->topk_group, p->top_k, p->norm, p->scaling, p->sigmoid, p->dtype);
+        for (int g = 0; g < G; ++g) {
+            int n = 0;
+            for (int t = 0; t < T; ++t) n += dense[size_t(t) * G + g] != 0.0f;
+            if (n) used.push_back(g), routed += n;
+        }
+    }
     if (p->router && (2 * I) % 16 == 0) {
         // Each expert's gate|up only for the rows routed to it (its weights read once for them): the
         // same outputs as the dense product, and swiglu never reads an unchosen group's.
@@ -1101,13 +1278,6 @@ int wb_ffn_block(const FfnPlan* p, const void* x, int T, void* out) {
         // one packed 16-output block's weight bytes and scales (int8)
         const size_t block = size_t(p->hidden + (p->wtype == 1 ? p->hidden % 2 : 0)) * 16 * weight_size(p->wtype);
         const size_t sblock = scale_stride(p->hidden, p->wtype);
-        std::vector<int> used;  // the groups some row is routed to
-        long routed = 0;        // rows over all of them
-        for (int g = 0; g < G; ++g) {
-            int n = 0;
-            for (int t = 0; t < T; ++t) n += dense[size_t(t) * G + g] != 0.0f;
-            if (n) used.push_back(g), routed += n;
-        }
         std::atomic<int> expert_rc{0};
         // the experts split over the pool; each one's linear then runs on its part's thread
         pool::parallel_for(int(used.size()), double(routed) * 2 * I * p->hidden, [&](int u0, int u1) {
@@ -1134,7 +1304,19 @@ int wb_ffn_block(const FfnPlan* p, const void* x, int T, void* out) {
         rc |= wb_linear_w(p->w_gate_up, p->s_gate_up, x, H, nullptr, T, G * 2 * I, p->hidden, p->dtype, p->wtype);
     }
     rc |= wb_swiglu(H, p->router ? dense : nullptr, act, T, G, I, p->dtype);
-    rc |= wb_linear_w(p->w_down, p->s_down, act, out, nullptr, T, p->hidden, G * I, p->dtype, p->wtype);
+    if (p->router && (p->wtype != 1 || I % 2 == 0)) {
+        // the down projection over the used groups' columns only: the others' activations are exact
+        // zeros for every row (wb_swiglu), so their weights need not be read (Spans)
+        std::vector<int> spans;
+        for (const int g : used) {
+            if (!spans.empty() && spans.back() == g * I) spans.back() = (g + 1) * I;
+            else spans.push_back(g * I), spans.push_back((g + 1) * I);
+        }
+        rc |= linear_spans(p->w_down, p->s_down, act, out, nullptr, T, p->hidden, G * I, p->dtype, p->wtype,
+                           {spans.data(), int(spans.size() / 2)});
+    } else {
+        rc |= wb_linear_w(p->w_down, p->s_down, act, out, nullptr, T, p->hidden, G * I, p->dtype, p->wtype);
+    }
     return rc;
 #else
     return -1;
@@ -1166,7 +1348,10 @@ thread_local std::vector<char> chain_buf;
 
 // a = round(a + b) elementwise in dtype (a residual add as torch's `a + b`)
 void add_into(void* a, const void* b, size_t n, int dtype) {
-    for (size_t i = 0; i < n; ++i) store(a, dtype, i, load(a, dtype, i) + load(b, dtype, i));
+    for (size_t i = 0; i < n; i += 16) {
+        const int left = n - i < 16 ? int(n - i) : 16;
+        store16n(a, dtype, i, add(load16n(a, dtype, i, left), load16n(b, dtype, i, left)), left);
+    }
 }
 }  // namespace
 #endif
@@ -1180,15 +1365,19 @@ void add_into(void* a, const void* b, size_t n, int dtype) {
 // sequence's tokens in one batch (the first ragged, then one token each). With stop_below > 0 the
 // chain ends early once every sequence has proposed a token below that probability (an adaptive
 // policy verifies none after it); *steps_out is the number of proposals made per sequence.
-int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* counts, const void* state_in,
-                         void* rows, long seq_stride, const int* starts, int k, float stop_below, int* steps_out,
-                         int64_t* tokens_out, float* probs_out) {
+// wb_eagle_chain, continued after the first pass from row from[b] of sequence b's first-pass rows
+// (its head, its state, its next position) rather than from its last (from null): the fused step's
+// first pass covers every verified position and continues from the accepted count's.
+static int eagle_chain_from(const EaglePlan* p, const int64_t* ids, int B, const int* counts, const void* state_in,
+                            void* rows, long seq_stride, const int* starts, int k, float stop_below, int* steps_out,
+                            int64_t* tokens_out, float* probs_out, const int* from) {
 #if WB_SIMD
     const int H = p->hidden, dt = p->dtype, R = p->attn->R;
     const size_t es = dt ? 2 : 4, row = size_t(H) * es;
     int T = 0;
     for (int b = 0; b < B; ++b) {
         if (counts[b] < 1 || starts[b] + counts[b] + k - 1 > p->limit) return -3;
+        if (from && (from[b] < 0 || from[b] >= counts[b])) return -3;
         T += counts[b];
     }
     const size_t n = size_t(T) * row, rope = size_t(T) * R * es;
@@ -1227,9 +1416,11 @@ int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* cou
         rc |= wb_ffn_block(p->mlp, yin, T, pre);
         add_into(pre, r, size_t(T) * H, dt);  // pre = r + mlp(...): the same sum in either order
         rc |= wb_rms_norm(pre, H, p->final_norm, post, H, T, H, p->final_eps, dt);
-        // the head over each sequence's last row, its argmax and that token's probability
+        // the head over each sequence's last row (or its row from[b], after the first pass), its argmax
+        // and that token's probability
+        auto at = [&](int b) { return from && step == 0 ? from[b] : cnt[b] - 1; };
         for (int b = 0, t0 = 0; b < B; t0 += cnt[b], ++b)
-            std::memcpy(last + b * row, post + size_t(t0 + cnt[b] - 1) * row, row);
+            std::memcpy(last + b * row, post + size_t(t0 + at(b)) * row, row);
         rc |= wb_linear_w(p->head, p->head_scale, last, logits, nullptr, B, p->draft_vocab, H, dt, p->head_wtype);
         rc |= wb_row_stats(logits, p->draft_vocab, B, p->draft_vocab, mx.data(), arg.data(), lse.data(), 1, dt);
         // the next pass: each sequence's proposal, fed its last row's state, at its next position
@@ -1238,9 +1429,9 @@ int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* cou
             const int64_t d = arg[b] + (p->d2t ? p->d2t[arg[b]] : 0);
             tokens_out[size_t(b) * k + step] = d;
             probs_out[size_t(b) * k + step] = float(std::exp(double(mx[b]) - double(lse[b])));  // as Python: math.exp of the two floats
-            std::memmove(h + b * row, fed + size_t(t0 + cnt[b] - 1) * row, row);
+            std::memmove(h + b * row, fed + size_t(t0 + at(b)) * row, row);
             tok[b] = d;
-            pos[b] += cnt[b];
+            pos[b] += at(b) + 1;
             unsure[b] |= probs_out[size_t(b) * k + step] < stop_below;
         }
         if (stop_below > 0 && std::count(unsure.begin(), unsure.end(), 1) == B) {
@@ -1251,6 +1442,113 @@ int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* cou
         T = B;
     }
     return rc;
+#else
+    return -1;
+#endif
+}
+
+int wb_eagle_chain(const EaglePlan* p, const int64_t* ids, int B, const int* counts, const void* state_in,
+                   void* rows, long seq_stride, const int* starts, int k, float stop_below, int* steps_out,
+                   int64_t* tokens_out, float* probs_out) {
+    return eagle_chain_from(p, ids, B, counts, state_in, rows, seq_stride, starts, k, stop_below, steps_out,
+                            tokens_out, probs_out, nullptr);
+}
+
+// The fused state of T positions: fc (packed [hidden, n_aux * aux_width], weight type fc_wtype,
+// scales fc_scale) over each position's [aux 0 | aux 1 | ...], sequence b's first counts[b]
+// positions of its aux state i at aux[i] + b * aux_stride elements ([>= counts[b], aux_width] rows
+// in dtype), into *state (a thread's buffer, [T, hidden]); its ids (at ids + b * id_stride) into
+// flat. What Eagle3Draft.combine_hidden_states computes through the fc twin, each row alone.
+static int fuse_aux(const EaglePlan* p, const int64_t* ids, long id_stride, int B, const int* counts, int n_aux,
+                    const void* const* aux, long aux_stride, int aux_width, const void* fc, const float* fc_scale,
+                    int fc_wtype, std::vector<int64_t>& flat, char** state) {
+#if WB_SIMD
+    const int H = p->hidden, K = n_aux * aux_width;
+    const size_t es = p->dtype ? 2 : 4, arow = size_t(aux_width) * es;
+    int T = 0;
+    for (int b = 0; b < B; ++b) {
+        if (counts[b] < 1) return -3;
+        T += counts[b];
+    }
+    thread_local std::vector<char> fuse_buf;
+    const size_t x_bytes = (size_t(T) * K * es + 63) / 64 * 64;
+    if (fuse_buf.size() < x_bytes + size_t(T) * H * es + 64) fuse_buf.resize(x_bytes + size_t(T) * H * es + 64);
+    char* X = fuse_buf.data();
+    *state = X + x_bytes;
+    flat.resize(T);
+    for (int b = 0, t0 = 0; b < B; t0 += counts[b], ++b)
+        for (int t = 0; t < counts[b]; ++t) {
+            flat[t0 + t] = ids[size_t(b) * id_stride + t];
+            for (int i = 0; i < n_aux; ++i)
+                std::memcpy(X + (size_t(t0 + t) * n_aux + i) * arow,
+                            static_cast<const char*>(aux[i]) + (size_t(b) * aux_stride + size_t(t) * aux_width) * es,
+                            arow);
+        }
+    return wb_linear_w(fc, fc_scale, X, *state, nullptr, T, H, K, p->dtype, fc_wtype);
+#else
+    return -1;
+#endif
+}
+
+// wb_eagle_chain from the verifier's aux states rather than the fused state, for padded inputs:
+// sequence b's ids at ids + b * id_stride and its aux states as fuse_aux reads them, its first
+// counts[b] positions its own (the rest padding, never read). fc's fusion in the same call, for
+// the real positions only.
+int wb_eagle_chain_aux(const EaglePlan* p, const int64_t* ids, long id_stride, int B, const int* counts, int n_aux,
+                       const void* const* aux, long aux_stride, int aux_width, const void* fc, const float* fc_scale,
+                       int fc_wtype, void* rows, long seq_stride, const int* starts, int k, float stop_below,
+                       int* steps_out, int64_t* tokens_out, float* probs_out) {
+    std::vector<int64_t> flat;
+    char* state = nullptr;
+    const int rc = fuse_aux(p, ids, id_stride, B, counts, n_aux, aux, aux_stride, aux_width, fc, fc_scale, fc_wtype,
+                            flat, &state);
+    if (rc) return rc;
+    return wb_eagle_chain(p, flat.data(), B, counts, state, rows, seq_stride, starts, k, stop_below, steps_out,
+                          tokens_out, probs_out);
+}
+
+// The fused greedy step's second call, for one sequence (workbench.decoding.fused.accept_and_draft):
+// after the verifier's forward over x [T] = [last verified token, T - 1 proposals] (its logits [T,
+// V] in ldtype, its aux states as fuse_aux reads them), with the draft cache rows holding the
+// positions before x (start of them). Each logit row's first argmax (the target), max and
+// log-sum-exp; the accepted count a (proposals equal to the targets, in order); then the draft's
+// first pass over the T positions with the targets as their tokens (the rows up to a are the
+// unfused first pass's: position j's token is the verified one after it), continued from row a.
+// ints_out [1 + T + k] = [a, the T targets, the k proposals]; floats_out [(T - 1) + T + k] = [each
+// proposal's verifier probability, each target's, each proposal's draft probability]; *finite_out
+// whether every logit row's max is finite (else no drafting: the caller raises). The caller checks
+// the rows fit (start + T + k - 1) and sets the draft cache's length.
+int wb_accept_and_draft(const EaglePlan* p, const void* logits, int V, int ldtype, const int64_t* x, int T, int n_aux,
+                        const void* const* aux, int aux_width, const void* fc, const float* fc_scale, int fc_wtype,
+                        void* rows, int start, int k, int64_t* ints_out, float* floats_out, int* finite_out) {
+#if WB_SIMD
+    if (T < 1 || k < 1) return -3;
+    std::vector<float> mx(T), lse(T);
+    std::vector<long> arg(T);
+    int rc = wb_row_stats(logits, V, T, V, mx.data(), arg.data(), lse.data(), 1, ldtype);
+    int finite = 1;
+    for (int t = 0; t < T; ++t) finite &= std::isfinite(mx[t]) ? 1 : 0;
+    int a = 0;
+    while (a < T - 1 && x[1 + a] == arg[a]) ++a;
+    ints_out[0] = a;
+    for (int t = 0; t < T; ++t) ints_out[1 + t] = arg[t];
+    for (int t = 0; t < T - 1; ++t) {  // softmax probabilities, as the greedy acceptance shows them
+        if (x[1 + t] < 0 || x[1 + t] >= V) return -3;
+        floats_out[t] = float(std::exp(double(load(logits, ldtype, size_t(t) * V + x[1 + t])) - double(lse[t])));
+    }
+    for (int t = 0; t < T; ++t) floats_out[T - 1 + t] = float(std::exp(double(mx[t]) - double(lse[t])));
+    *finite_out = finite;
+    if (!finite) {  // nothing to draft from
+        for (int i = 0; i < k; ++i) ints_out[1 + T + i] = 0, floats_out[2 * T - 1 + i] = 0.f;
+        return rc;
+    }
+    std::vector<int64_t> targets(arg.begin(), arg.end()), flat;
+    char* state = nullptr;
+    rc |= fuse_aux(p, targets.data(), T, 1, &T, n_aux, aux, 0, aux_width, fc, fc_scale, fc_wtype, flat, &state);
+    if (rc) return rc;
+    int made = k;
+    return eagle_chain_from(p, flat.data(), 1, &T, state, rows, 0, &start, k, 0.0f, &made, ints_out + 1 + T,
+                            floats_out + 2 * T - 1, &a);
 #else
     return -1;
 #endif
@@ -1277,35 +1575,48 @@ thread_local std::vector<char> stack_buf;
 }  // namespace
 #endif
 
-// A verifier's forward from its embeddings [total, H] (B sequences, sequence b's counts[b] new
-// tokens after those of sequences 0..b-1; cos2, sin2 [total, R] each token's RoPE row): for each
-// layer l, the stream entering it copied to aux_out[j] ([n_aux, total, H]) where aux_ids[j] == l,
-// then h += attention(input_norm(h)) (wb_mla_block over layer l's cache rows at rows + l *
-// layer_stride, sequence b's at + b * seq_stride elements, its new rows written at starts[b]) and
-// h += ffn(post_norm(h)), each add rounded to dtype once as torch's `h + x`; then the final norm of
-// each sequence's last `keep` rows into hidden_out [B * keep, H] and the lm_head's logits_out
-// [B * keep, vocab]. The same kernel calls, on the same rows, as the per-module path makes one by
-// one, so the same bits. The caller checks the rows fit and advances the lengths.
-int wb_decoder_stack(const StackPlan* p, const void* embeds, int B, const int* counts, void* rows, long layer_stride,
-                     long seq_stride, const int* starts, const void* cos2, const void* sin2, int n_aux,
-                     const int* aux_ids, void* aux_out, int keep, void* hidden_out, void* logits_out) {
+// A verifier's forward from its token ids (B sequences, sequence b's counts[b] new tokens after
+// those of sequences 0..b-1, ids [total]): each token's row of `embed` ([vocab_rows, H] in dtype;
+// an id outside it returns -4 before anything is written) and its RoPE rows of the tables
+// cos_table, sin_table ([table_rows, R]) at its position (positions[i] for token i, or starts[b] + t
+// for token t of sequence b where positions is null); for each layer l, the stream entering it
+// copied to aux_out[j] ([total, H]) where aux_ids[j] == l, then h += attention(input_norm(h))
+// (wb_mla_block over layer l's cache rows at rows + l * layer_stride, sequence b's at + b *
+// seq_stride elements, its new rows written at starts[b]) and h += ffn(post_norm(h)), each add
+// rounded to dtype once as torch's `h + x`; then the final norm of each sequence's last `keep` rows
+// into hidden_out [B * keep, H] and the lm_head's logits_out [B * keep, vocab]. The embedding rows
+// are torch.embedding's and the kernel calls, on the same rows, those the per-module path makes one
+// by one, so the same bits. The caller checks the rows fit and advances the lengths.
+int wb_decoder_stack(const StackPlan* p, const int64_t* ids, const void* embed, long vocab_rows, int B,
+                     const int* counts, void* rows, long layer_stride, long seq_stride, const int* starts,
+                     const void* cos_table, const void* sin_table, long table_rows, const int* positions, int n_aux,
+                     const int* aux_ids, void* const* aux_out, int keep, void* hidden_out, void* logits_out) {
 #if WB_SIMD
-    const int H = p->hidden, dt = p->dtype;
-    const size_t es = dt ? 2 : 4, row = size_t(H) * es;
+    const int H = p->hidden, dt = p->dtype, R = p->attn[0]->R;
+    const size_t es = dt ? 2 : 4, row = size_t(H) * es, rrow = size_t(R) * es;
     int T = 0;
     for (int b = 0; b < B; ++b) {
         if (counts[b] < 1 || keep < 1 || keep > counts[b]) return -3;
         T += counts[b];
     }
-    const size_t n = size_t(T) * row;
-    if (stack_buf.size() < 3 * n + 64 * 3) stack_buf.resize(3 * n + 64 * 3);
+    for (int t = 0; t < T; ++t)
+        if (ids[t] < 0 || ids[t] >= vocab_rows) return -4;
+    const size_t n = size_t(T) * row, rope = size_t(T) * rrow;
+    if (stack_buf.size() < 3 * n + 2 * rope + 64 * 5) stack_buf.resize(3 * n + 2 * rope + 64 * 5);
     char* base = stack_buf.data();
     auto take = [&](size_t bytes) { char* q = base; base += (bytes + 63) / 64 * 64; return q; };
-    char *h = take(n), *x = take(n), *y = take(n);
-    std::memcpy(h, embeds, n);
+    char *h = take(n), *x = take(n), *y = take(n), *cos2 = take(rope), *sin2 = take(rope);
+    for (int b = 0, i = 0; b < B; ++b)
+        for (int t = 0; t < counts[b]; ++t, ++i) {
+            const long at = positions ? positions[i] : long(starts[b]) + t;
+            if (at < 0 || at >= table_rows) return -3;
+            std::memcpy(cos2 + size_t(i) * rrow, static_cast<const char*>(cos_table) + size_t(at) * rrow, rrow);
+            std::memcpy(sin2 + size_t(i) * rrow, static_cast<const char*>(sin_table) + size_t(at) * rrow, rrow);
+        }
+    for (int t = 0; t < T; ++t) std::memcpy(h + size_t(t) * row, static_cast<const char*>(embed) + size_t(ids[t]) * row, row);
     int rc = 0;
     for (int l = 0, j = 0; l < p->layers; ++l) {
-        for (; j < n_aux && aux_ids[j] == l; ++j) std::memcpy(static_cast<char*>(aux_out) + size_t(j) * n, h, n);
+        for (; j < n_aux && aux_ids[j] == l; ++j) std::memcpy(aux_out[j], h, n);
         rc |= wb_rms_norm(h, H, p->input_norm[l], x, H, T, H, p->input_eps[l], dt);
         rc |= wb_mla_block(p->attn[l], x, B, counts, static_cast<char*>(rows) + size_t(l) * layer_stride * es,
                            seq_stride, starts, cos2, sin2, y);

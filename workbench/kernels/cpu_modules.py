@@ -15,7 +15,7 @@ goes to the model's own forward, which is also what the tests compare each twin 
 | RMSNorm            | KernelRMSNorm           | the norm                                             |
 | lm_head, fc        | KernelLinear            | the projection                                       |
 | Eagle3Draft (MLA)  | KernelEagle3Draft       | the engine's greedy chain: first pass, k-1 passes and argmaxes |
-| Verifier           | KernelVerifier          | `forward` after the embedding: every layer (norms, the two blocks, residual adds, aux captures), the final norm, the lm_head |
+| Verifier           | KernelVerifier          | `forward` from the token ids: the embedding and RoPE rows, every layer (norms, the two blocks, residual adds, aux captures), the final norm, the lm_head |
 
 A `KernelVerifier` is made where every layer's attention and FFN have twins; the calls it does not
 serve (no cache, path "naive", or any its layers' twins decline) run the layers' twins one by one,
@@ -277,7 +277,7 @@ class KernelEagle3Draft(Eagle3Draft):
     @classmethod
     def of(cls, m: Eagle3Draft) -> "KernelEagle3Draft":
         new = _twin(m, cls)
-        new.chain = None  # built on first use, once the layer's twins exist
+        new.chain, new.chain_sources = None, []  # built on first use, once the layer's twins exist
         new.d2t_list = m.d2t.tolist() if hasattr(m, "d2t") else None
         return new
 
@@ -294,16 +294,23 @@ class KernelEagle3Draft(Eagle3Draft):
     def run_greedy_chain(self, chain, input_ids: Tensor, hidden, cache: KVCache, k: int,
                          counts: list[int] | None = None, stop_below: float | None = None) -> tuple[Tensor, Tensor]:
         """The engine's greedy chain (`chain`: `workbench.decoding.drafters.greedy_chain`, its arguments
-        after the draft) in one call of its C++ transform, `wb_eagle_chain`; `chain` itself where the
-        kernels do not serve it."""
+        after the draft) in one call of its C++ transform, `wb_eagle_chain` (from the aux states,
+        `wb_eagle_chain_aux`: fc's fusion and the gather of each sequence's own positions as well, where
+        fc is a twin with no fc_norm); `chain` itself where the kernels do not serve it."""
         kernel = self._chain(cache.max_len)
-        h = hidden[0] if isinstance(hidden, (tuple, list)) else hidden
+        aux = isinstance(hidden, (tuple, list))
+        h = hidden[0] if aux else hidden
         if kernel is None or h.dtype != kernel.dtype or not cpu.serves(h, rows=input_ids.shape[1]):
             return chain(self, input_ids, hidden, cache, k, counts, stop_below)
         B, T = input_ids.shape
         starts = cache.lengths
         cache.check_room(T + k - 1)
-        if isinstance(hidden, (tuple, list)):
+        if aux and kernel.fc is not None:  # fc's fusion and the real positions' gather in the same call
+            counts = [T] * B if counts is None else counts
+            tokens, probs = kernel.from_aux(input_ids, hidden, cache.layer(0), starts, k, counts, stop_below)
+            cache.set_lengths([s + n + tokens.shape[1] - 1 for s, n in zip(starts, counts)])
+            return tokens if tokens.device == input_ids.device else tokens.to(input_ids.device), probs
+        if aux:
             hidden = self.combine_hidden_states(hidden)
         if counts is None:  # no padding: every position is real
             counts, ids, hidden = [T] * B, input_ids.reshape(-1), hidden.reshape(B * T, -1)
@@ -314,22 +321,49 @@ class KernelEagle3Draft(Eagle3Draft):
         cache.set_lengths([s + n + tokens.shape[1] - 1 for s, n in zip(starts, counts)])
         return tokens.to(input_ids.device), probs
 
+    def run_accept_and_draft(self, fallback, logits: Tensor, aux: tuple[Tensor, ...], x: Tensor, cache: KVCache,
+                             k: int):
+        """The fused greedy step's acceptance and drafting (`fallback`:
+        `workbench.decoding.fused.accept_and_draft`, its arguments after the draft) in one call of its
+        C++ transform, `wb_accept_and_draft` (the same results; the proposals and the draft rows up to
+        the accepted count's are the unfused chain's bits); `fallback` itself where the kernels do not
+        serve it. The cache's length advances by x's T, as `fallback`'s first pass advances it (the
+        caller then truncates it to the accepted positions)."""
+        kernel = self._chain(cache.max_len)
+        T = x.shape[-1]
+        if (kernel is None or kernel.fc is None or cache.batch != 1 or logits.dim() != 2
+                or aux[0].dtype != kernel.dtype or not cpu.serves(aux[0], rows=T)):
+            return fallback(self, logits, aux, x, cache, k)
+        start = cache.length
+        out = kernel.accept_and_draft(logits, x, aux, cache.layer(0)[0], start, k)
+        cache.length = start + T
+        return out
+
     def _chain(self, limit: int) -> cpu.EagleChain | None:
         """The chain over the layer's twins, rebuilt when a longer cache needs longer RoPE tables;
-        None when a part has no twin (an MHA layer, a head in another dtype)."""
+        None when a part has no twin (an MHA layer, a head in another dtype). A chain built already
+        holds its own tables: each call then only checks the packed weights (`Sources`)."""
+        chain = self.chain
+        if chain is not None and limit <= chain.limit:
+            for src in self.chain_sources:
+                src.check()
+            return chain
         layer, head, embed = self.layers[0], self.part("lm_head"), self.part("embed_tokens")
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, self.norm)
         if not (isinstance(attn, KernelMLAttention) and isinstance(mlp, KernelMLP) and isinstance(head, KernelLinear)
                 and embed.weight.dtype == head.weight.dtype == attn.block.dtype == mlp.down_proj.weight.dtype):
             return None
-        for part in (attn, head):
-            part.sources.check()
+        fc = self._modules.get("fc")  # fused in the chain's call where it is a twin and no fc_norm comes first
+        fc = fc if isinstance(fc, KernelLinear) and self._modules.get("fc_norm") is None else None
+        sources = [part.sources for part in (attn, head, mlp, fc) if part is not None]
+        for src in sources:
+            src.check()
         cos2, sin2 = attn.tables.get(embed.weight.dtype, limit)
-        if self.chain is None or self.chain.limit < limit or self.chain.tensors[-2] is not cos2:
-            self.chain = cpu.EagleChain(attn.block, mlp.block, [(n.weight, n.eps) for n in norms], embed.weight,
-                                        head.packed, getattr(self, "d2t", None), cos2, sin2,
-                                        layer.norm_before_residual, self.norm_output)
+        self.chain = cpu.EagleChain(attn.block, mlp.block, [(n.weight, n.eps) for n in norms], embed.weight,
+                                    head.packed, getattr(self, "d2t", None), cos2, sin2,
+                                    layer.norm_before_residual, self.norm_output, fc.packed if fc else None)
+        self.chain_sources = sources
         return self.chain
 
 
@@ -339,8 +373,9 @@ _VERSION = operator.attrgetter("_version")
 class KernelVerifier(Verifier):
     """A verifier whose forward, where the kernels serve it (eager inference on the CPU with a cache,
     in the stack's dtype, up to `cpu.MAX_ROWS` tokens a sequence and `cpu.MAX_BATCH_ROWS` in all), is
-    the embedding, each token's RoPE rows and one `cpu.DecoderStack` call over every layer's twins'
-    plans; any other call is `Verifier.forward` over the twins, one module at a time. The stack
+    one `cpu.DecoderStack` call over every layer's twins' plans, from the token ids (their
+    embedding rows and RoPE rows gathered in the call); any other call is `Verifier.forward` over
+    the twins, one module at a time. The stack
     holds the twins' plans, norms and eps as they were at `accelerate` (as the twins do): change a
     setting on the plain model and accelerate it again. `aux_layer_ids` may be set on it."""
 
@@ -371,37 +406,35 @@ class KernelVerifier(Verifier):
         v.watched = [t for src in v.sources for t, _ in src.tensors]
         v.versions = sum(map(_VERSION, v.watched))  # versions only grow: an equal sum means none changed
         v.aux_key = None
+        embed = v.model.embed_tokens  # gathered in the stack's call: a plain embedding (no max_norm) only
+        v.embed = embed if type(embed) is nn.Embedding and embed.max_norm is None else None
         return v
 
     def forward(self, input_ids: Tensor, cache: KVCache | None = None, positions: Tensor | None = None,
                 logits_to_keep: int = 0, path: str = "auto") -> VerifierOutput:
         stack = self.stack
         if (cache is None or path == "naive" or logits_to_keep < 0 or not input_ids.shape[-1]
-                or torch.is_grad_enabled()):
+                or torch.is_grad_enabled() or self.embed is None):
             return super().forward(input_ids, cache, positions, logits_to_keep, path)
-        h = self.model.embed_tokens(input_ids)
-        rows = cache.rows
-        if h.dtype != stack.dtype or rows.dtype != stack.dtype or not rows.is_cpu or not cpu.serves(h):
+        weight, rows = self.embed.weight, cache.rows
+        B, T = input_ids.shape
+        if (weight.dtype != stack.dtype or rows.dtype != stack.dtype or not rows.is_cpu or not weight.is_cpu
+                or not input_ids.is_cpu or input_ids.dtype != torch.int64
+                or not cpu.serves_rows(stack.dtype, T, B * T)):
             return super().forward(input_ids, cache, positions, logits_to_keep, path)
         if sum(map(_VERSION, self.watched)) != self.versions:
             for src in self.sources:
                 src.check()
-        B, T = input_ids.shape
         cache.check_room(T)
         starts = cache.lengths
-        cos2, sin2 = self.tables.get(stack.dtype, cache.max_len)
-        if positions is None and B == 1:  # the rows at the cache's length: a slice
-            cos2, sin2 = cos2[starts[0]:starts[0] + T], sin2[starts[0]:starts[0] + T]
-        else:
-            if positions is None:
-                positions = cache.positions(T, input_ids.device)
-            where = positions.expand(B, T).reshape(-1)
-            cos2, sin2 = cos2[where], sin2[where]
+        cos2, sin2 = self.tables.get(stack.dtype, cache.max_len)  # read at each token's position in the call
+        if positions is not None:
+            positions = positions.expand(B, T).reshape(-1).tolist()
         if self.aux_key is not self._aux:  # each aux id once, in order, and which one each entry is
             ids = sorted(set(self._aux))
             self.aux_key, self.aux_ids, self.aux_at = self._aux, ids, [ids.index(i) for i in self._aux]
         keep = min(logits_to_keep, T) if logits_to_keep else T
-        aux, hidden, logits = stack(h, rows, starts, cos2, sin2, self.aux_ids, keep)
+        aux, hidden, logits = stack(input_ids, weight, rows, starts, cos2, sin2, positions, self.aux_ids, keep)
         cache.advance(T)
         return VerifierOutput(logits, tuple(aux[j] for j in self.aux_at), hidden)
 
