@@ -398,10 +398,10 @@ def test_the_fused_steps_kernel_call_drafts_what_the_unfused_chain_drafts(pairs)
                 vcache.truncate(P)
                 fused, unfused = copy(base), copy(base)
                 fused._lens, unfused._lens = [P], [P]
-                ints, floats, finite = d.run_accept_and_draft(accept_and_draft, ver.logits[0], ver.aux_hidden_states,
-                                                              x, fused, 3)
+                ints, floats, finite = (t[0] for t in d.run_accept_and_draft(
+                    accept_and_draft, ver.logits, ver.aux_hidden_states, x, torch.tensor([3]), fused, 3))
                 a = int(ints[0])
-                assert finite and a == right and ints[1:5].tolist() == ver.logits[0].float().argmax(-1).tolist()
+                assert bool(finite.all()) and a == right and ints[1:5].tolist() == ver.logits[0].float().argmax(-1).tolist()
                 assert fused.length == P + 4  # as the Python fused step's first pass leaves it
                 tokens, probs = d.run_greedy_chain(greedy_chain, ints[None, 1:2 + a],
                                                    tuple(h[:, :a + 1] for h in ver.aux_hidden_states), unfused, 3,
@@ -412,8 +412,9 @@ def test_the_fused_steps_kernel_call_drafts_what_the_unfused_chain_drafts(pairs)
                 if dt == "float32":
                     on_plain = copy(base)
                     on_plain._lens = [P]
-                    p_ints, _, _ = accept_and_draft(plain, ver.logits[0], ver.aux_hidden_states, x, on_plain, 3)
-                    assert torch.equal(p_ints, ints), (dt, a)
+                    p_ints, _, _ = accept_and_draft(plain, ver.logits, ver.aux_hidden_states, x, torch.tensor([3]),
+                                                    on_plain, 3)
+                    assert torch.equal(p_ints[0], ints), (dt, a)
 
 
 def test_a_ragged_draft_chain_of_a_batch_equals_each_sequences_chain(pairs):

@@ -121,8 +121,8 @@ def model_outputs(pair) -> list:
         fcache = d.new_cache(64)  # the fused step's call after the verify (the kernels' one call where the draft has it)
         d(torch.tensor([[9, 200, 31, 7, 77, 3, 42]]), d.combine_hidden_states(first.aux_hidden_states), fcache)
         fuse = getattr(d, "run_accept_and_draft", lambda f, *a: f(d, *a))
-        ints, floats, _ = fuse(accept_and_draft, verify.logits[0], verify.aux_hidden_states,
-                               torch.tensor([[11, 12, 13, 14]]), fcache, 3)
+        ints, floats, _ = fuse(accept_and_draft, verify.logits, verify.aux_hidden_states,
+                               torch.tensor([[11, 12, 13, 14]]), torch.tensor([3]), fcache, 3)
     return [first.logits, *first.aux_hidden_states, verify.logits, cache.valid(), batch.logits, big.rows,
             *chain, dcache.valid(), ints, floats, fcache.valid()]
 

@@ -113,7 +113,9 @@ class FusedDrafter:
         # A cache of 0 or 1 rows (after a 1- or 2-token prompt) runs eagerly rather than specialising a graph
         fn = self.fn if min(cache.lengths) >= 2 else accept_and_draft
         n = torch.tensor(counts, device=x.device)
-        ints, floats, finite = (t.tolist() for t in fn(self.draft, logits, aux, x, n, cache, self.k))
+        run = getattr(self.draft, "run_accept_and_draft", None)  # a fast path's own call (the CPU kernels')
+        out = run(fn, logits, aux, x, n, cache, self.k) if run else fn(self.draft, logits, aux, x, n, cache, self.k)
+        ints, floats, finite = (t.tolist() for t in out)
         T, out = x.shape[1], []
         for i, f, ok, c in zip(ints, floats, finite, counts):
             a = i[0]

@@ -321,23 +321,22 @@ class KernelEagle3Draft(Eagle3Draft):
         cache.set_lengths([s + n + tokens.shape[1] - 1 for s, n in zip(starts, counts)])
         return tokens.to(input_ids.device), probs
 
-    def run_accept_and_draft(self, fallback, logits: Tensor, aux: tuple[Tensor, ...], x: Tensor, cache: KVCache,
-                             k: int):
+    def run_accept_and_draft(self, fallback, logits: Tensor, aux: tuple[Tensor, ...], x: Tensor, n: Tensor,
+                             cache: KVCache, k: int):
         """The fused greedy step's acceptance and drafting (`fallback`:
         `workbench.decoding.fused.accept_and_draft`, its arguments after the draft) in one call of its
-        C++ transform, `wb_accept_and_draft` (the same results; the proposals and the draft rows up to
-        the accepted count's are the unfused chain's bits); `fallback` itself where the kernels do not
-        serve it. The cache's length advances by x's T, as `fallback`'s first pass advances it (the
-        caller then truncates it to the accepted positions)."""
+        C++ transform, `wb_accept_and_draft`, for one sequence without padding (the same results; the
+        proposals and the draft rows up to the accepted count's are the unfused chain's bits);
+        `fallback` itself where the kernels do not serve it. The cache's length advances by x's T, as
+        `fallback`'s first pass advances it (the caller then sets it to the accepted positions)."""
         kernel = self._chain(cache.max_len)
-        T = x.shape[-1]
-        if (kernel is None or kernel.fc is None or cache.batch != 1 or logits.dim() != 2
+        B, T = x.shape
+        if (kernel is None or kernel.fc is None or B != 1 or int(n[0]) != T - 1 or logits.dim() != 3
                 or aux[0].dtype != kernel.dtype or not cpu.serves(aux[0], rows=T)):
-            return fallback(self, logits, aux, x, cache, k)
-        start = cache.length
-        out = kernel.accept_and_draft(logits, x, aux, cache.layer(0)[0], start, k)
-        cache.length = start + T
-        return out
+            return fallback(self, logits, aux, x, n, cache, k)
+        ints, floats, finite = kernel.accept_and_draft(logits[0], x, aux, cache.layer(0)[0], cache.lengths[0], k)
+        cache.advance(T)
+        return ints[None], floats[None], torch.full((1, T), bool(finite))
 
     def _chain(self, limit: int) -> cpu.EagleChain | None:
         """The chain over the layer's twins, rebuilt when a longer cache needs longer RoPE tables;
