@@ -17,22 +17,22 @@ the tests count graphs for that reason. Measurements: docs/PERFORMANCE.md.
 
 Weights become constants of the graphs: after a weight changes, compile the plain model again.
 Nothing of torch's is replaced and no module is re-classed (the twins are new instances over the
-models' tensors); the price is that inductor's on-disk cache refuses graphs holding frozen
-oneDNN-packed weights, so each process compiles those again (docs/PERFORMANCE.md, issue 40).
+models' tensors). Inductor's settings go through torch.compile's `options`; the few that dynamo
+reads while tracing have no public API in torch 2.13 and are set, privately, around our calls
+only (`_TRACING`; a torch without them raises). Our graphs stay out of inductor's on-disk cache,
+which keys frozen weights by shape alone, so each process compiles them again (docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
 import atexit
-import contextlib
+import contextvars
 import dataclasses
 import gc
-import hashlib
+import importlib
 import inspect
-import threading
 import types
 
 import torch
-import torch.fx.experimental._config as fx_config
 from torch import Tensor, nn
 
 from workbench.models.mla import ABSORB_MAX_TOKENS, LatentAttention
@@ -40,17 +40,44 @@ from workbench.models.moe import MoE
 from workbench.variants import copy_modules
 
 __all__ = ["CompiledChain", "CompiledForward", "compile_function", "compile_models", "gemm_backends", "graphs_serve",
-           "is_compiled", "weights_digest"]
+           "is_compiled"]
 
 
-# What our graphs compile with, applied from dynamo's compile-start callback to our compiles only
-# (`freezing` must be set while inductor compiles; patching around every call cost ~60 us a call).
-# Floats are specialised: otherwise dynamo restarts whole traces on the frame's floats.
-_SETTINGS = ({"freezing": True, "cpp_wrapper": True, "max_autotune": True},
-             {"backed_size_oblivious": True, "use_duck_shape": False},
-             {"specialize_float": True})
-_inside = threading.local()
-_patches: list[contextlib.ExitStack] = []
+# Settings our graphs need while dynamo traces them, which torch 2.13 takes from private config
+# modules only (torch.compile's `options` reach inductor after dynamo has traced): inductor's
+# `freezing`, which dynamo reads to make the weights constants of the graph rather than its inputs
+# (pytorch/pytorch#139272); sizes of 0 and 1 left symbolic ("size-oblivious"), so one graph serves
+# T = 1 and T = k+1, and no two sizes merged for being equal when traced ("duck shapes"); floats
+# specialised, otherwise dynamo restarts whole traces on the frame's floats. `_traced_with_settings`.
+_TRACING = {"torch._inductor.config": {"freezing": True},
+            "torch.fx.experimental._config": {"backed_size_oblivious": True, "use_duck_shape": False},
+            "torch._dynamo.config": {"specialize_float": True}}
+
+
+def _traced_with_settings(fn):
+    """`fn`, each call of it run with `_TRACING` set (private: no public API sets it), in a copy of
+    the calling thread's context (torch's configs are context variables): the settings reach the
+    compiles inside our calls and no other, and nothing to undo after a call (~6 us a call). A
+    torch without one of them raises here, naming it, rather than compile graphs that differ."""
+    settings = []
+    for name, values in _TRACING.items():
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            module = None
+        missing = [key for key in values if module is None or not hasattr(module, key)]
+        if missing:
+            raise RuntimeError(f"workbench.compiled needs {', '.join(f'{name}.{k}' for k in missing)}, private "
+                               f"settings of torch that no public API sets, and torch {torch.__version__} lacks "
+                               "them: run eagerly (`--fast off` or `cpu`), or use torch 2.13")
+        settings += [(module, key, value) for key, value in values.items()]
+
+    def with_settings(args, kwargs):
+        for module, key, value in settings:
+            setattr(module, key, value)
+        return fn(*args, **kwargs)
+
+    return lambda *args, **kwargs: contextvars.copy_context().run(with_settings, args, kwargs)
 
 
 def gemm_backends(dtype: torch.dtype) -> str:
@@ -63,81 +90,18 @@ def gemm_backends(dtype: torch.dtype) -> str:
     return "ATEN" if dtype == torch.bfloat16 and not machine()["fast_bf16"] else "CPP"
 
 
-def _on_compile_start(_args=None) -> None:
-    if getattr(_inside, "active", False):
-        stack = contextlib.ExitStack()
-        # set with `active`: the models' GEMM backend (per dtype) and their weights (module docstring)
-        per_call = {"max_autotune_gemm_backends": _inside.backends,
-                    "post_grad_custom_pre_pass": _graph_cache_key(weights_digest(*_inside.models))}
-        stack.enter_context(torch._inductor.config.patch({**_SETTINGS[0], **per_call}))
-        stack.enter_context(fx_config.patch(_SETTINGS[1]))
-        stack.enter_context(torch._dynamo.config.patch(_SETTINGS[2]))
-        _patches.append(stack)
-
-
-def _on_compile_end(_args=None) -> None:
-    # Dynamo runs the callbacks for the outermost of overlapping compiles only (one counter for
-    # every thread), so the end may come on another thread than the start: close what was opened.
-    if _patches:
-        _patches.pop().close()
-        _freeze_heap()
-
-
 def _freeze_heap() -> None:
     """Keep the objects alive after a compile out of the cyclic collector's reach (`gc.freeze`):
     its full collections otherwise walk the compiler's heap during decoding (vLLM does the same)."""
+    global _unfreeze_at_exit
     gc.collect()
     gc.freeze()
+    if not _unfreeze_at_exit:
+        atexit.register(gc.unfreeze)  # the interpreter's last collection then frees what was frozen
+        _unfreeze_at_exit = True
 
 
-def weights_digest(*models: torch.nn.Module) -> str:
-    """A digest of every tensor that compiled graphs of `models` may freeze into constants.
-
-    Parameters, buffers, plain tensor attributes (RoPE's frequencies) and the modules a draft
-    borrows from its verifier (its embedding and lm_head): names, dtypes, shapes and bytes.
-    """
-    h = hashlib.blake2b(digest_size=20)
-    seen: set[int] = set()
-    for top in models:
-        for owner in (top, *getattr(top, "_shared", {}).values()):
-            for name, module in owner.named_modules():
-                if id(module) in seen:
-                    continue
-                seen.add(id(module))
-                tensors = {**module._parameters, **module._buffers,
-                           **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
-                for attr in sorted(tensors):
-                    t = tensors[attr]
-                    if t is None:
-                        continue
-                    h.update(f"{name}.{attr}:{t.dtype}:{tuple(t.shape)};".encode())
-                    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def _graph_cache_key(digest: str):
-    """A post-grad pass that changes nothing: inductor puts a custom pass's `uuid()` in each
-    graph's cache key, which is how the weights' digest gets there (the cache keys frozen weights
-    by shape alone, and its entries hold the C++ GEMMs' packed copies of them)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    class WeightsKey(CustomGraphPass):
-        def __call__(self, graph) -> None:
-            pass
-
-        def uuid(self) -> str:
-            return f"workbench weights {digest}"
-
-    return WeightsKey()
-
-
-def _register_callbacks() -> None:
-    from torch._dynamo.callback import callback_handler
-
-    if _on_compile_start not in callback_handler.start_callbacks:
-        callback_handler.register_start_callback(_on_compile_start)
-        callback_handler.register_end_callback(_on_compile_end)
-        atexit.register(gc.unfreeze)  # the interpreter's last collection then frees what _freeze_heap froze
+_unfreeze_at_exit = False
 
 
 def graphs_serve(cache, num_new: int) -> bool:
@@ -155,15 +119,12 @@ class CompiledForward:
     graph for small cached inference steps, eager otherwise."""
 
     def __init__(self, fn) -> None:
-        import torch._inductor.config  # noqa: F401  (the `freezing` switch; here, not at import: it pulls in Triton)
-
-        _register_callbacks()
         self.eager = fn
         self.signature = inspect.signature(self.eager)
         # Weights are frozen into the graph, so dynamo's per-parameter guards (dearer than a decode's
         # kernels) are skipped; then only a code object of its own keeps a second pair's graphs apart.
-        self.compiled = _compile(types.MethodType(_own_function(fn.__func__), fn.__self__))
-        self.backends = gemm_backends(next(fn.__self__.parameters()).dtype)
+        self.compiled = _compile(types.MethodType(_own_function(fn.__func__), fn.__self__),
+                                 next(fn.__self__.parameters()).dtype)
         self.calls = {"compiled": 0, "eager": 0}
 
     def usable(self, args: dict) -> bool:
@@ -181,12 +142,7 @@ class CompiledForward:
         keep = bound.arguments.pop("logits_to_keep", 0)
         for name, value in bound.arguments.items():  # a slice's strides would fail the graph's stride guards
             bound.arguments[name] = _contiguous(value)
-        # dynamo, if it compiles during this call, applies _SETTINGS, this model's GEMM backend and its weights' digest
-        _inside.active, _inside.backends, _inside.models = True, self.backends, (self.eager.__self__,)
-        try:
-            out = self.compiled(**bound.arguments)
-        finally:
-            _inside.active = False
+        out = self.compiled(**bound.arguments)
         if keep:
             out = dataclasses.replace(out, logits=out.logits[:, -keep:], hidden_states=out.hidden_states[:, -keep:])
         return out
@@ -222,33 +178,36 @@ def compile_function(fn, dtype: torch.dtype = torch.float32):
     """torch.compile a plain function of models and caches, as CompiledForward compiles a forward.
 
     For a step that spans more than one model call (`workbench.decoding.fused`); `fn` takes its
-    models as arguments (their weights key its graphs in inductor's cache). Each call of this
-    compiles its own copy of `fn`'s code, so keep one per pair: module guards are skipped as in
-    CompiledForward, so two pairs sharing a copy would run the first pair's frozen weights.
-    `dtype` is the models' (it picks the GEMMs, `gemm_backends`).
+    models as arguments. Each call of this compiles its own copy of `fn`'s code, so keep one per
+    pair: module guards are skipped as in CompiledForward, so two pairs sharing a copy would run the
+    first pair's frozen weights. `dtype` is the models' (it picks the GEMMs, `gemm_backends`).
     """
-    import torch._inductor.config  # noqa: F401  (as in CompiledForward)
+    return _compile(_own_function(fn), dtype)
 
-    _register_callbacks()
-    compiled = _compile(_own_function(fn))
-    backends = gemm_backends(dtype)
+
+def _compile(fn, dtype: torch.dtype):
+    """`fn` compiled with our settings: inductor's as torch.compile's options, the ones dynamo reads
+    while tracing around each call (`_traced_with_settings`); the heap frozen after the first call."""
+    options = {"cpp_wrapper": True, "max_autotune": True, "max_autotune_gemm_backends": gemm_backends(dtype),
+               "post_grad_custom_pre_pass": _keep_out_of_graph_cache,
+               "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}  # see CompiledForward.__init__
+    compiled, first = _traced_with_settings(torch.compile(fn, dynamic=True, options=options)), [True]
 
     def call(*args, **kwargs):
-        # dynamo, if it compiles during this call, applies _SETTINGS, the models' GEMM backend and
-        # their weights' digest; the models are the arguments that are modules
-        models = tuple(a for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.Module))
-        _inside.active, _inside.backends, _inside.models = True, backends, models
-        try:
-            return compiled(*args, **kwargs)
-        finally:
-            _inside.active = False
+        out = compiled(*args, **kwargs)
+        if first:  # the call that compiled its graph (one per function: the tests count graphs)
+            first.clear()
+            _freeze_heap()
+        return out
 
     return call
 
 
-def _compile(fn):
-    # Module guards skipped: see CompiledForward.__init__.
-    return torch.compile(fn, dynamic=True, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+def _keep_out_of_graph_cache(graph) -> None:
+    """A post-grad pass that changes nothing: inductor's on-disk graph cache refuses ("bypass") a
+    graph compiled with a custom pass that cannot name itself in the cache's key, which keeps ours
+    out of it. The cache keys frozen weights by shape alone, so a second model of the same shape
+    (another pair, another process) would otherwise load the first one's weights."""
 
 
 def _own_function(func):
