@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import codecs
+import functools
 import json
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -49,7 +50,8 @@ class Tokenizer:
                  token_to_id: Callable[[str], int | None], vocab_size: int,
                  config: dict, chat_template: str | None) -> None:
         self.directory = directory
-        self._encode, self._decode, self._token_bytes = encode, decode, token_bytes
+        # each id's bytes once: token_texts runs for every emitted token and every step's proposals
+        self._encode, self._decode, self._token_bytes = encode, decode, functools.lru_cache(maxsize=None)(token_bytes)
         self.vocab_size = vocab_size
         self.chat_template = chat_template
         self._special_names = {k: _token_content(config.get(k))

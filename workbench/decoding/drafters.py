@@ -150,6 +150,8 @@ class EagleDrafter:
         counts = [r.aux[0].shape[1] for r in rows]
         width, dev = max(counts), rows[0].aux[0].device
         ids = torch.tensor([r.verified[r.seen + 1:] + [0] * (width - n) for r, n in zip(rows, counts)], device=dev)
+        if len(rows) == 1:  # nothing to pad or join
+            return ids, rows[0].aux, counts
         aux = tuple(torch.cat([torch.nn.functional.pad(r.aux[i], (0, 0, 0, width - n)) for r, n in zip(rows, counts)])
                     for i in range(len(rows[0].aux)))  # zeros past each row's own
         return ids, aux, counts

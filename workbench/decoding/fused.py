@@ -59,7 +59,7 @@ def accept_and_draft(draft, logits: torch.Tensor, aux: tuple[torch.Tensor, ...],
     index = torch.arange(T, device=x.device)
     # the first rejected position, or a row's end (its padding is never accepted): a min over an index
     stop = (index[:-1] >= n[:, None]) | (x[:, 1:] != target[:, :-1])
-    accepted = torch.cat([torch.where(stop, index[:-1], T - 1), (n[:, None] * 0 + T - 1)], 1).amin(1)  # [B]
+    accepted = torch.cat([torch.where(stop, index[:-1], T - 1), torch.full_like(n[:, None], T - 1)], 1).amin(1)
     probs = logits.softmax(-1)
     p_proposals = probs[:, :-1].gather(2, x[:, 1:, None])[..., 0]
     p_target = probs.gather(2, target[..., None])[..., 0]
@@ -146,9 +146,10 @@ class FusedDrafter:
         the verifier's forward `out` over x, row b from position starts[b] with counts[b] proposals."""
         cache = self.cache.view(0, len(rows))
         cache.set_lengths(starts)
-        verdicts = []
-        for r, (verdict, r.upcoming) in zip(rows, self._after(cache, out.logits, out.aux_hidden_states, x, counts)):
-            verdicts.append(verdict)
+        judged = self._after(cache, out.logits, out.aux_hidden_states, x, counts)
+        verdicts = [verdict for verdict, _ in judged]
+        for r, (_, upcoming) in zip(rows, judged):
+            r.upcoming = upcoming
         # each row's first-pass rows up to its accepted count are final
         cache.set_lengths([s + 1 + (d.num_accepted if d else 0) for s, d in zip(starts, verdicts)])
         return verdicts

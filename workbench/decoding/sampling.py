@@ -142,16 +142,18 @@ def greedy_verdicts(logits: torch.Tensor, proposals: list[list[int]], kernels: b
     differently in the last bits; the tokens are the same). `workbench.decoding.fused.accept_and_draft`
     is its device form."""
     G, T, V = logits.shape
-    chosen = torch.tensor([p + [0] * (T - len(p)) for p in proposals], device=logits.device)
-    at_prop = logits.gather(-1, chosen[..., None])[..., 0].float().tolist() if any(proposals) else [[]] * G
-    if kernels:
+    if kernels:  # the proposals' logits with the rows' stats, in one kernel call
         from workbench.kernels import cpu  # below decoding; loaded only where the pair runs on it
 
-        mx, arg, lse = cpu.row_stats(logits.reshape(G * T, V))
+        mx, arg, lse, picked = cpu.row_stats(logits.reshape(G * T, V), at=[t for p in proposals
+                                                                             for t in p + [0] * (T - len(p))])
         top = [arg[g * T:(g + 1) * T] for g in range(G)]
         at_top = [mx[g * T:(g + 1) * T] for g in range(G)]
         lse = [lse[g * T:(g + 1) * T] for g in range(G)]
+        at_prop = [picked[g * T:(g + 1) * T] for g in range(G)]
     else:
+        chosen = torch.tensor([p + [0] * (T - len(p)) for p in proposals], device=logits.device)
+        at_prop = logits.gather(-1, chosen[..., None])[..., 0].float().tolist() if any(proposals) else [[]] * G
         logits = logits.float()
         top_t = logits.argmax(-1)  # [G, T]
         lse = logits.logsumexp(-1).tolist()

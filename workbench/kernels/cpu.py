@@ -12,8 +12,7 @@ and reuses (idle workers sleep): a linear's output columns, attention's heads or
 sequences, the MoE's experts, in contiguous ranges, each output computed by the same code on
 whichever thread, so the bits do not depend on the count. The count follows
 `torch.get_num_threads()` unless `set_threads(n)` or `WORKBENCH_CPU_THREADS` fixes it: read when
-the library loads and whenever `torch.set_num_threads` is called (this module wraps it, so that a
-kernel call need not ask torch each time), and again by `threads()` and `status()`.
+the library loads, at each call's `serves` check, and by `threads()` and `status()`.
 
 The library is compiled from `cpu_kernels.cpp` on first use (`g++ -O3 -march=native`, a few
 seconds) into `$WORKBENCH_CACHE_DIR` (default `~/.cache/workbench`), keyed by the source, the
@@ -41,7 +40,6 @@ models' modules from their weights and swaps them into a copy of a model (`accel
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import subprocess
@@ -170,25 +168,6 @@ def _follow_torch() -> None:
         lib.wb_set_threads(wanted)
 
 
-def _watch_torch_threads() -> None:
-    """Wrap `torch.set_num_threads` so that the kernels follow a new count at once (where the library
-    is loaded and no count is pinned): `serves`, on every kernel call, then need not ask torch."""
-    original = torch.set_num_threads
-    if getattr(original, "_workbench_follows", False):  # wrapped already (this module loaded again)
-        return
-
-    @functools.wraps(original)
-    def set_num_threads(n: int) -> None:
-        original(n)
-        _follow_torch()
-
-    set_num_threads._workbench_follows = True
-    torch.set_num_threads = set_num_threads
-
-
-_watch_torch_threads()
-
-
 def set_threads(n: int | None) -> int:
     """Run each kernel call on up to `n` threads (the caller and n - 1 pool workers, started once
     and reused); None follows `torch.get_num_threads()` again. Returns the count in force."""
@@ -246,24 +225,24 @@ def serves(x: Tensor, rows: int | None = None) -> bool:
     """Whether a call on activations `x` [..., H] can go to these kernels: inference on the CPU (no
     autograd), fp32 or bf16, at most MAX_ROWS tokens a sequence (`rows`, else x's next-to-last
     dim) and MAX_BATCH_ROWS in all, and the library loaded."""
-    if torch.is_grad_enabled() or not x.is_cpu or x.dtype not in _DTYPES:
+    if not x.is_cpu:
         return False
     shape = x.shape  # read once: each tensor attribute costs a call on this hot path
-    total = x.numel() // max(shape[-1], 1)
     per_sequence = rows if rows is not None else (shape[-2] if len(shape) >= 2 else 1)
-    if per_sequence > MAX_ROWS or total > MAX_BATCH_ROWS:
-        return False
-    lib = _state.get("lib", False)
-    return (_lib() if lib is False else lib) is not None  # the thread count: followed as torch's changes
+    return serves_rows(x.dtype, per_sequence, x.numel() // max(shape[-1], 1))
 
 
 def serves_rows(dtype: torch.dtype, per_sequence: int, total: int) -> bool:
-    """`serves` for activations in `dtype` of `per_sequence` tokens a sequence and `total` in all (a
-    call that starts from token ids: no activations yet)."""
+    """`serves` for activations in `dtype` of `per_sequence` tokens a sequence and `total` in all (also
+    for a call that starts from token ids: no activations yet). Follows a change of torch's thread count."""
     if torch.is_grad_enabled() or dtype not in _DTYPES or per_sequence > MAX_ROWS or total > MAX_BATCH_ROWS:
         return False
     lib = _state.get("lib", False)
-    return (_lib() if lib is False else lib) is not None
+    if (_lib() if lib is False else lib) is None:
+        return False
+    if _state["pinned"] is None and torch.get_num_threads() != _state["applied"]:
+        _follow_torch()  # torch's count changed since: the kernels follow it (~20 ns a call to ask)
+    return True
 
 
 def _ints(values: Sequence[int]):
