@@ -99,15 +99,18 @@ extern "C" int wb_isa() {
 // contiguous ranges, one per thread: the caller runs the first, the pool's workers the others.
 // Each output is computed by the same code whichever thread runs it, so the results do not
 // depend on the number of threads. Workers are created once (wb_set_threads) and reused; after a
-// job they spin for kSpinMicros (the next kernel call of a step comes within microseconds), then
-// sleep on a condition variable, so an idle pool leaves the cores to other processes.
+// job they spin for kSpinMicros, then sleep on a condition variable, so an idle pool leaves the
+// cores to other processes. A step's kernel calls come microseconds apart, but the engine's Python
+// between a step's last call and the next step's first takes a few hundred: 1 ms keeps the workers
+// awake across it, where 100 us let them fall asleep and each step's first split call waited for a
+// wake-up (docs/PERFORMANCE.md has the figures).
 // A call made inside a part (a linear inside an expert's part), or while another thread's call
 // holds the pool, runs on its own thread.
 namespace pool {
 
 using Part = void (*)(const void* ctx, int begin, int end);
 constexpr int kMaxThreads = 256;
-constexpr long kSpinMicros = 100;
+constexpr long kSpinMicros = 1000;
 
 struct alignas(64) Slot {  // one worker: its own ticket and wake-up, so a job wakes only its workers
     std::atomic<uint64_t> ticket{0};  // bumped for each job the worker takes a part of
