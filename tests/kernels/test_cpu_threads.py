@@ -35,13 +35,17 @@ SHAPES = [(8192, 256), (2048, 256), (256, 256), (200, 96), (100, 10), (33, 8)]
 
 @pytest.fixture
 def pool():
-    """The library with the thread count and minimum work put back after the test."""
+    """The library with the thread count, minimum work and steal wait put back after the test. The
+    caller waits 10 s before it runs a late worker's part: where each part runs is then as planned
+    even on a busy machine, and the tests that trace it do not depend on the scheduler."""
     lib = cpu._lib()
     before = cpu.set_min_work(1)
     cpu.set_min_work(before)
+    steal = lib.wb_set_steal_micros(10_000_000)
     yield lib
     cpu.set_threads(None)
     cpu.set_min_work(before)
+    lib.wb_set_steal_micros(steal)
 
 
 def by_threads(fn, counts=COUNTS, lib=None) -> dict:
@@ -179,6 +183,28 @@ def test_the_workers_are_started_once_and_reused(pool):
     assert pool.wb_threads_created() == created and trace(pool) == seen
 
 
+def test_the_caller_runs_the_parts_of_workers_not_yet_running(pool):
+    """A worker not scheduled in time (a busy machine) does not hold the call up: the caller claims
+    its part and runs it. With no wait at all the caller races the workers for every part; each
+    part runs once either way (contiguous ranges, each on one thread), and the bits do not move."""
+    pool.wb_set_min_work(1)
+    cpu.set_threads(3)
+    packed = cpu.PackedLinear(torch.randn(1000, 96))
+    x = torch.randn(3, 96)
+    want = packed(x)
+    pool.wb_set_steal_micros(0)
+    me, stolen = threading.get_ident(), 0
+    for _ in range(300):
+        seen = trace(pool)
+        assert seen[:4] == [me] * 4  # the caller's own part
+        assert all(len(set(seen[i:i + 4])) == 1 for i in (4, 8))  # each part on one thread
+        stolen += seen[-1] == me
+        assert torch.equal(packed(x), want)
+    assert stolen > 0
+    pool.wb_set_steal_micros(10_000_000)
+    assert len(set(trace(pool))) == 3  # the workers still take their parts when they come in time
+
+
 def test_one_thread_runs_every_call_on_the_caller(pool):
     pool.wb_set_min_work(1)
     cpu.set_threads(1)
@@ -279,6 +305,7 @@ def test_each_isa_build_gives_the_same_bits_at_any_thread_count(tmp_path, monkey
         pytest.skip("this CPU cannot run an AVX2 build")
     lib = load_build(build(tmp_path, target, *flags), monkeypatch)
     lib.wb_set_min_work(1)
+    lib.wb_set_steal_micros(10_000_000)  # each part where it was planned, as in `pool`
     with monkeypatch.context() as m:
         m.setitem(cpu._state, "lib", lib)
         for dtype in DTYPES:

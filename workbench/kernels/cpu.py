@@ -132,6 +132,7 @@ def _load():
     lib.wb_decoder_stack.argtypes = [p, p, p, lng, i, p, p, lng, lng, p, p, p, lng, p, i, p, p, i, p, p]
     lib.wb_set_threads.argtypes, lib.wb_set_min_work.argtypes, lib.wb_pool_trace.argtypes = [i], [lng], [i, p]
     lib.wb_set_min_work.restype = lib.wb_threads_created.restype = lib.wb_pool_jobs.restype = lng
+    lib.wb_set_steal_micros.argtypes, lib.wb_set_steal_micros.restype = [lng], lng
     return lib, f"{path} ({_ISA_NAMES.get(isa, f'wb_isa() {isa}')})"
 
 

@@ -105,7 +105,12 @@ extern "C" int wb_isa() {
 // awake across it, where 100 us let them fall asleep and each step's first split call waited for a
 // wake-up (docs/PERFORMANCE.md has the figures).
 // A call made inside a part (a linear inside an expert's part), or while another thread's call
-// holds the pool, runs on its own thread.
+// holds the pool, runs on its own thread. On a busy machine a worker may not be scheduled for a
+// whole time slice: a part no worker has claimed g_steal_micros after the caller finished its own
+// is run by the caller, so a call never waits for a thread that has not started; and since the
+// scheduler will not run that worker soon either, the calls of the next few milliseconds run on
+// the caller alone rather than each wait g_steal_micros again (and wake a worker that would spin
+// on the caller's core): 5 ms, doubling while the next try steals too, up to 160 ms.
 namespace pool {
 
 using Part = void (*)(const void* ctx, int begin, int end);
@@ -114,6 +119,8 @@ constexpr long kSpinMicros = 1000;
 
 struct alignas(64) Slot {  // one worker: its own ticket and wake-up, so a job wakes only its workers
     std::atomic<uint64_t> ticket{0};  // bumped for each job the worker takes a part of
+    std::atomic<uint64_t> offer{0};   // the last job that has a part for this slot
+    std::atomic<uint64_t> taken{0};   // the last job whose part for this slot someone claimed
     std::atomic<bool> asleep{false};
     std::mutex m;
     std::condition_variable cv;
@@ -125,6 +132,8 @@ struct Pool {
     Part fn = nullptr;                          // the job: written before the tickets are bumped
     const void* ctx = nullptr;
     int n = 0, parts = 0;
+    uint64_t job = 0;                           // the current job's number (the caller's, under busy)
+    std::atomic<int> unclaimed{0};              // worker parts no thread has claimed yet
     std::atomic<int> pending{0};                // worker parts not yet done
     std::atomic<bool> caller_asleep{false};
     std::mutex done_m;
@@ -133,20 +142,29 @@ struct Pool {
 
 std::atomic<int> g_threads{1};         // threads a call may use, the caller included
 std::atomic<long> g_min_work{1 << 16};  // multiply-adds below which a part is not worth a thread
+// well above a spinning worker's pickup (about a microsecond), well below a time slice (milliseconds)
+std::atomic<long> g_steal_micros{50};
+constexpr long kBackoffMicros = 5000, kMaxBackoffMicros = 160000;
+long g_backoff = kBackoffMicros;         // the next backoff's length (the caller's, under busy)
+std::atomic<int64_t> g_alone_until{0};  // steady_clock ticks: calls before it are not split
 std::atomic<long> g_created{0};        // worker threads ever started (they persist)
 std::atomic<long> g_jobs{0};           // calls split over more than one thread
 Pool* g_pool = nullptr;                // never freed: workers may still be waiting on it at exit
 std::once_flag g_once;
 thread_local bool t_in_part = false;   // inside a part: nested calls stay on this thread
 
-// spin on done() for kSpinMicros; true if it came true
+// spin on done() for kSpinMicros; true if it came true. Every few microseconds the spinner lets
+// another thread of this core run (on a busy machine, the very thread it waits for).
 template <class Done>
 bool spin(Done done) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
     for (int i = 1;; ++i) {
         if (done()) return true;
         _mm_pause();
-        if (i % 64 == 0 && std::chrono::steady_clock::now() > until) return done();
+        if (i % 64 == 0) {
+            if (std::chrono::steady_clock::now() > until) return done();
+            std::this_thread::yield();
+        }
     }
 }
 
@@ -168,6 +186,23 @@ void finish_part(Pool& p) {
     }
 }
 
+// slot's part of job j for whoever calls: false if another thread has it. Every part is claimed
+// before its job ends, so a claim that succeeds is for a job still running.
+bool claim(Pool& p, Slot& s, uint64_t j) {
+    for (uint64_t cur = s.taken.load(); cur < j;)
+        if (s.taken.compare_exchange_weak(cur, j)) {
+            p.unclaimed.fetch_sub(1);
+            return true;
+        }
+    return false;
+}
+
+// part `part` (1..parts-1) of the current job, claimed by the calling thread
+void run_part(Pool& p, int part) {
+    p.fn(p.ctx, int(long(p.n) * part / p.parts), int(long(p.n) * (part + 1) / p.parts));
+    finish_part(p);
+}
+
 void work(Pool* p, Slot* s, int index) {
     t_in_part = true;
     uint64_t seen = 0, t = 0;
@@ -179,13 +214,13 @@ void work(Pool* p, Slot* s, int index) {
             s->asleep.store(false);
         }
         seen = t;
-        const int part = index + 1;
-        p->fn(p->ctx, int(long(p->n) * part / p->parts), int(long(p->n) * (part + 1) / p->parts));
-        finish_part(*p);
+        // a late wake-up may find its job done by the caller: the claim fails and nothing runs
+        if (claim(*p, *s, s->offer.load())) run_part(*p, index + 1);
     }
 }
 
-void wake(Slot& s) {
+void wake(Slot& s, uint64_t job) {
+    s.offer.store(job);  // before the ticket: a worker that sees the ticket sees the offer
     s.ticket.fetch_add(1);
     if (s.asleep.load()) {
         std::lock_guard<std::mutex> lk(s.m);
@@ -216,9 +251,24 @@ bool run(Part fn, const void* ctx, int n, int parts) {
     if (p.slots.size() < size_t(parts - 1)) grow(p, parts - 1);  // after a fork: the child has no workers
     p.fn = fn, p.ctx = ctx, p.n = n, p.parts = parts;
     p.pending.store(parts - 1);
-    for (int i = 0; i < parts - 1; ++i) wake(*p.slots[i]);
+    p.unclaimed.store(parts - 1);
+    const uint64_t j = ++p.job;
+    for (int i = 0; i < parts - 1; ++i) wake(*p.slots[i], j);
     t_in_part = true;
     fn(ctx, 0, int(long(n) / parts));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(g_steal_micros.load());
+    for (int i = 1; p.unclaimed.load() > 0 && std::chrono::steady_clock::now() < until; ++i)
+        i % 64 ? _mm_pause() : std::this_thread::yield();
+    bool stole = false;
+    for (int i = 0; i < parts - 1 && p.unclaimed.load() > 0; ++i)  // the parts of workers not yet running
+        if (claim(p, *p.slots[i], j)) run_part(p, i + 1), stole = true;
+    if (stole) {
+        g_alone_until.store((std::chrono::steady_clock::now() + std::chrono::microseconds(g_backoff))
+                                .time_since_epoch().count());
+        g_backoff = std::min(2 * g_backoff, kMaxBackoffMicros);
+    } else {
+        g_backoff = kBackoffMicros;
+    }
     t_in_part = false;
     if (!spin([&] { return p.pending.load() == 0; })) {
         std::unique_lock<std::mutex> lk(p.done_m);
@@ -233,6 +283,9 @@ bool run(Part fn, const void* ctx, int n, int parts) {
 
 // how many threads `work` multiply-adds over n items are worth
 int parts_for(int n, double work) {
+    if (g_threads.load(std::memory_order_relaxed) > 1 &&
+        std::chrono::steady_clock::now().time_since_epoch().count() < g_alone_until.load(std::memory_order_relaxed))
+        return 1;
     const double by_work = work / double(std::max(1L, g_min_work.load(std::memory_order_relaxed)));
     return int(std::max(1.0, std::min({double(g_threads.load(std::memory_order_relaxed)), double(n), by_work})));
 }
@@ -266,6 +319,13 @@ int wb_get_threads() { return pool::g_threads.load(); }
 // The multiply-adds a thread must get before a call is split (1 splits every call that has
 // several units: tests). Returns the previous value.
 long wb_set_min_work(long macs) { return pool::g_min_work.exchange(std::max(1L, macs)); }
+
+// How long a split call's caller waits for its workers to claim their parts before it runs the
+// unclaimed ones itself (0: at once; tests). Returns the previous value.
+long wb_set_steal_micros(long micros) {
+    pool::g_alone_until.store(0);  // and split the next call again
+    return pool::g_steal_micros.exchange(std::max(0L, micros));
+}
 
 long wb_threads_created() { return pool::g_created.load(); }
 
