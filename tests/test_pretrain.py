@@ -112,6 +112,31 @@ def test_a_resumed_run_equals_one_that_never_stopped(tmp_path, monkeypatch):
     assert warm["tokens_seen"] == sum(s["tokens"] for s in resumed["segments"]) + 2 * 2 * 64
 
 
+@pytest.mark.slow
+def test_two_processes_train_as_one_with_both_batches(tmp_path, monkeypatch):
+    """Data-parallel: 2 processes of 1 window a step land on the weights of 1 process with 2 windows
+    a step (the same windows, the gradients averaged; fp32, so only the sums' order differs), and
+    the log counts both processes' tokens."""
+    import workbench.training.pretrain as pt
+    from safetensors.torch import load_file
+
+    corpus = _corpus(tmp_path / "corpus")
+    monkeypatch.setattr(pt, "tiny_kimi_config", lambda vocab_size: small_verifier().config)
+    one = pretrain(_args(tmp_path / "one", corpus, batch=2, max_steps=3, bf16=False), log=lambda s: None)
+    two = pretrain(_args(tmp_path / "two", corpus, batch=1, procs=2, max_steps=3, bf16=False), log=lambda s: None)
+    assert one["steps"] == two["steps"] == 3 and two["segment"]["procs"] == 2
+    assert one["tokens_seen"] == two["tokens_seen"] == 3 * 2 * 64
+    a = load_file(str(tmp_path / "one" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "checkpoint" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    start = small_verifier().state_dict()
+    moved = max((a[k] - start[k]).abs().max().item() for k in a if k in start)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert moved > 1e-3 and worst < 1e-5, (moved, worst)  # trained, and the same training
+    with pytest.raises(ValueError, match="procs = 0"):
+        pretrain(_args(tmp_path / "bad", corpus, procs=0), log=lambda s: None)
+
+
 def test_bits_per_byte_of_a_uniform_model_is_log2_vocab_over_bytes():
     tok = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
     lengths = token_byte_lengths(tok)

@@ -419,7 +419,8 @@ def cmd_pretrain(args) -> int:
         out=Path(args.out), corpus=Path(args.corpus), tokenizer=Path(args.tokenizer),
         init=Path(args.init) if args.init else None, resume=args.resume, max_minutes=args.max_minutes,
         batch=args.batch, seq=args.seq, lr=args.lr, warmup=args.warmup, seed=args.seed,
-        eval_every=args.eval_every, eval_windows=args.eval_windows, bf16=not args.fp32, threads=args.threads))
+        eval_every=args.eval_every, eval_windows=args.eval_windows, bf16=not args.fp32, threads=args.threads,
+        procs=args.procs))
     print(json.dumps({k: v for k, v in report.items() if k not in ("history", "segments")}))
     return 0
 
@@ -614,6 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=16)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--procs", type=int, default=1,
+                   help="data-parallel processes, each with --threads threads and --batch windows a step")
     p.add_argument("--fp32", action="store_true", help="fp32 matmuls (default: bf16 with fp32 statistics)")
     p.set_defaults(fn=cmd_pretrain)
 

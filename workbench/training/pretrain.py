@@ -12,14 +12,21 @@ A run is a sequence of segments: each writes a resumable checkpoint (weights and
 safetensors, the step and data position in JSON) into `out/`, and `--resume` continues it; a new
 sitting that has only committed bf16 weights starts a fresh schedule from them with `--init`
 (a warm restart). Every segment is logged in `out/pretrain_log.json`.
+
+`procs` > 1 trains data-parallel over that many processes (torch.distributed over gloo, one per
+core): every process draws the same step's windows from one shared generator, takes its own
+`batch` of them and its gradients are averaged before the update, so N processes compute what one
+process with N x `batch` windows a step would, up to the order of the sums.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import random
 import shutil
+import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -80,6 +87,7 @@ class PretrainArgs:
     eval_windows: int = 16
     save_every_minutes: float = 10.0
     threads: int | None = None
+    procs: int = 1  # data-parallel processes (each with `threads` threads and `batch` windows a step)
 
 
 @dataclass
@@ -141,6 +149,46 @@ def _cpu_name() -> str:
 
 
 def pretrain(args: PretrainArgs, log=print) -> dict:
+    """Train as `args` says; returns the report also written to out/pretrain_log.json."""
+    if isinstance(args.procs, bool) or not isinstance(args.procs, int) or args.procs < 1:
+        raise ValueError(f"procs = {args.procs!r}; expected an integer >= 1")
+    if args.procs == 1:
+        return _train(args, log, 0, 1)
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port for the processes' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # fork: the children share what the parent imported (and a test's patches); the CPU holds no CUDA state
+    mp.start_processes(_rank, args=(args, log, args.procs, port), nprocs=args.procs, join=True, start_method="fork")
+    return json.loads((Path(args.out) / "pretrain_log.json").read_text())
+
+
+def _rank(rank: int, args: PretrainArgs, log, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _train(args, log if rank == 0 else (lambda _: None), rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _mean_over_ranks(tensors: list[torch.Tensor], world: int) -> None:
+    """Each tensor replaced in place by its mean over the processes (one flat all-reduce)."""
+    import torch.distributed as dist
+
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= world
+    at = 0
+    for t in tensors:
+        t.copy_(flat[at:at + t.numel()].view_as(t))
+        at += t.numel()
+
+
+def _train(args: PretrainArgs, log, rank: int, world: int) -> dict:
     # long: the whole training loop reads top to bottom, as nanoGPT's train.py does
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
@@ -203,20 +251,27 @@ def pretrain(args: PretrainArgs, log=print) -> dict:
     segment = {"start_step": first, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "mode": "resume" if args.resume else ("warm restart" if args.init else "scratch"),
                **({"init": str(args.init)} if args.init else {}),
-               "threads": torch.get_num_threads(), "cpu": _cpu_name(), "batch": args.batch, "seq": args.seq,
-               "lr": args.lr, "bf16": args.bf16}
+               "threads": torch.get_num_threads(), "procs": world, "cpu": _cpu_name(), "batch": args.batch,
+               "seq": args.seq, "lr": args.lr, "bf16": args.bf16}
+    tokens_a_step = args.batch * world * args.seq
     while step < total:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, args.lr, args.warmup, floor=args.floor)
-        batch = data.sample(args.batch, args.seq, rng)
+        batch = data.sample(args.batch * world, args.seq, rng)[rank * args.batch:(rank + 1) * args.batch]
         loss = view.loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        loads = [m.gate.last_load for m in view.moes()]
+        if world > 1:  # the step's mean gradient, loss and expert loads over every process's windows
+            for _, p in named:
+                if p.grad is None:  # unused here, maybe not elsewhere: its share of the mean is zero
+                    p.grad = torch.zeros_like(p)
+            loss = loss.detach().clone()
+            _mean_over_ranks([p.grad for _, p in named] + [loss] + loads, world)
         torch.nn.utils.clip_grad_norm_([p for _, p in named], 1.0)
         opt.step()
         with torch.no_grad():  # auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2)
-            for m in view.moes():
-                load = m.gate.last_load
+            for m, load in zip(view.moes(), loads):
                 m.gate.e_score_correction_bias += args.bias_update * torch.sign(load.mean() - load)
         step += 1
         elapsed = time.time() - start
@@ -225,22 +280,30 @@ def pretrain(args: PretrainArgs, log=print) -> dict:
             total = max(step + 1, min(args.max_steps, first + int(budget / (elapsed / done))))
         if elapsed > budget:
             total = step
+        if world > 1:  # the first process's clock decides for all
+            import torch.distributed as dist
+
+            decided = torch.tensor([total])
+            dist.broadcast(decided, 0)
+            total = int(decided)
         if done % 10 == 0:
             log(f"step {step}/{total} loss {loss.item():.3f} lr {opt.param_groups[0]['lr']:.2e} "
-                f"{done * args.batch * args.seq / elapsed:.0f} tok/s {elapsed:.0f}s")
-        if step % args.eval_every == 0 or step == total:
+                f"{done * tokens_a_step / elapsed:.0f} tok/s {elapsed:.0f}s")
+        if rank == 0 and (step % args.eval_every == 0 or step == total):
             bpb = bits_per_byte(lambda ids: view(ids), windows, byte_len)
             state.history.append({"step": step, "train_loss": loss.item(), "eval_bpb": bpb, "seconds": elapsed,
                                   "segment": len(state.segments)})
             log(f"eval bits/byte {json.dumps(bpb)}")
-        if time.time() - last_save > args.save_every_minutes * 60 or step == total:
+        if rank == 0 and (time.time() - last_save > args.save_every_minutes * 60 or step == total):
             state.step, state.total = step, total
             state.rng = list(rng.getstate())
             save_checkpoint(view, opt, state, out)
             last_save = time.time()
+    if rank:  # the others' weights are the first's
+        return {}
     minutes = (time.time() - start) / 60
-    segment.update(end_step=step, minutes=round(minutes, 2), tokens=(step - first) * args.batch * args.seq,
-                   tokens_per_s=round((step - first) * args.batch * args.seq / max(1e-9, minutes * 60)))
+    segment.update(end_step=step, minutes=round(minutes, 2), tokens=(step - first) * tokens_a_step,
+                   tokens_per_s=round((step - first) * tokens_a_step / max(1e-9, minutes * 60)))
     state.segments.append(segment)
     state.step, state.total, state.rng = step, total, list(rng.getstate())
     save_checkpoint(view, opt, state, out)
