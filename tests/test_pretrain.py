@@ -113,6 +113,30 @@ def test_a_resumed_run_equals_one_that_never_stopped(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_schedule_in_steps_spans_sittings(tmp_path, monkeypatch):
+    """`schedule_steps`: a sitting whose time runs out stops with the schedule where it was, and
+    resuming finishes the same cosine: the weights of a run that never stopped."""
+    import workbench.training.pretrain as pt
+    from safetensors.torch import load_file
+
+    corpus = _corpus(tmp_path / "corpus")
+    monkeypatch.setattr(pt, "tiny_kimi_config", lambda vocab_size: small_verifier().config)
+    straight = pretrain(_args(tmp_path / "a", corpus, schedule_steps=5), log=lambda s: None)
+    cut = pretrain(_args(tmp_path / "b", corpus, schedule_steps=5, max_minutes=0.0), log=lambda s: None)
+    state = json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())
+    assert cut["steps"] == state["step"] == 1 and state["total"] == 5 and state["spans"]
+    with pytest.raises(ValueError, match="peaks at lr 0.003"):
+        pretrain(_args(tmp_path / "b", corpus, resume=True, lr=1e-3), log=lambda s: None)
+    resumed = pretrain(_args(tmp_path / "b", corpus, resume=True), log=lambda s: None)
+    assert straight["steps"] == resumed["steps"] == 5
+    a = load_file(str(tmp_path / "a" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "checkpoint" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="schedule_steps = 0"):
+        pretrain(_args(tmp_path / "bad", corpus, schedule_steps=0), log=lambda s: None)
+
+
+@pytest.mark.slow
 def test_two_processes_train_as_one_with_both_batches(tmp_path, monkeypatch):
     """Data-parallel: 2 processes of 1 window a step land on the weights of 1 process with 2 windows
     a step (the same windows, the gradients averaged; fp32, so only the sums' order differs), and

@@ -420,7 +420,7 @@ def cmd_pretrain(args) -> int:
         init=Path(args.init) if args.init else None, resume=args.resume, max_minutes=args.max_minutes,
         batch=args.batch, seq=args.seq, lr=args.lr, warmup=args.warmup, seed=args.seed,
         eval_every=args.eval_every, eval_windows=args.eval_windows, bf16=not args.fp32, threads=args.threads,
-        procs=args.procs))
+        procs=args.procs, schedule_steps=args.schedule_steps))
     print(json.dumps({k: v for k, v in report.items() if k not in ("history", "segments")}))
     return 0
 
@@ -615,6 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=16)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    p.add_argument("--schedule-steps", type=int,
+                   help="one cosine over this many steps that outlives the sitting (continue it with --resume); "
+                        "default: sized to --max-minutes")
     p.add_argument("--procs", type=int, default=1,
                    help="data-parallel processes, each with --threads threads and --batch windows a step")
     p.add_argument("--fp32", action="store_true", help="fp32 matmuls (default: bf16 with fp32 statistics)")

@@ -88,6 +88,7 @@ class PretrainArgs:
     save_every_minutes: float = 10.0
     threads: int | None = None
     procs: int = 1  # data-parallel processes (each with `threads` threads and `batch` windows a step)
+    schedule_steps: int | None = None  # one cosine over this many steps across sittings (see `pretrain`)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class RunState:
     rng: list = field(default_factory=list)
     segments: list = field(default_factory=list)
     history: list = field(default_factory=list)
+    spans: bool = False  # the schedule was set in steps and outlives a sitting's time budget
 
 
 def _optim_state(opt: torch.optim.Optimizer, named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
@@ -149,9 +151,17 @@ def _cpu_name() -> str:
 
 
 def pretrain(args: PretrainArgs, log=print) -> dict:
-    """Train as `args` says; returns the report also written to out/pretrain_log.json."""
+    """Train as `args` says; returns the report also written to out/pretrain_log.json.
+
+    The learning rate warms up, then follows a cosine to `floor` x `lr` over the schedule's steps.
+    By default a segment sizes its schedule to its own time budget. With `schedule_steps` the
+    schedule has that many steps and outlives the sitting: the segment stops when its time is up
+    with the schedule where it was, and `resume` continues it (weights, moments, data, schedule)."""
     if isinstance(args.procs, bool) or not isinstance(args.procs, int) or args.procs < 1:
         raise ValueError(f"procs = {args.procs!r}; expected an integer >= 1")
+    if args.schedule_steps is not None and (args.resume or args.schedule_steps < 1):
+        raise ValueError(f"schedule_steps = {args.schedule_steps!r}; expected an integer >= 1 for a new "
+                         "schedule (a resumed run keeps its own)")
     if args.procs == 1:
         return _train(args, log, 0, 1)
     import torch.multiprocessing as mp
@@ -217,6 +227,10 @@ def _train(args: PretrainArgs, log, rank: int, world: int) -> dict:
             raise FileNotFoundError(f"{ckpt}/state.json: no checkpoint to resume; expected a run started with --out {out}")
         model = load_verifier(ckpt, dtype=torch.float32)
         state = RunState(**json.loads((ckpt / "state.json").read_text()))
+        was = state.segments[-1].get("lr") if state.segments else None
+        if state.spans and was is not None and was != args.lr:
+            raise ValueError(f"{ckpt}/state.json: this run's schedule peaks at lr {was}; resuming it with "
+                             f"lr = {args.lr} would change it mid-way (pass --lr {was})")
     elif args.init is not None:
         model = load_verifier(args.init, dtype=torch.float32)
         # The weights' own record (beside them, or in their run folder): a warm restart continues it,
@@ -243,10 +257,13 @@ def _train(args: PretrainArgs, log, rank: int, world: int) -> dict:
 
     budget = args.max_minutes * 60
     # A fresh schedule sizes its cosine to the time budget (re-estimated as training goes, since a
-    # shared machine's speed varies); a resumed one keeps the total it had.
-    fixed_total = args.resume and state.total > 0
-    total = state.total if fixed_total else args.max_steps
+    # shared machine's speed varies) unless set in steps; a resumed one keeps the total it had.
+    if not args.resume:
+        state.spans = args.schedule_steps is not None
+    fixed_total = (args.resume and state.total > 0) or state.spans
+    total = state.total if args.resume and state.total > 0 else (args.schedule_steps or args.max_steps)
     first = step = state.step
+    stop = total  # where this segment ends: the schedule's end, or where its time ran out
     start = last_save = time.time()
     segment = {"start_step": first, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "mode": "resume" if args.resume else ("warm restart" if args.init else "scratch"),
@@ -254,7 +271,7 @@ def _train(args: PretrainArgs, log, rank: int, world: int) -> dict:
                "threads": torch.get_num_threads(), "procs": world, "cpu": _cpu_name(), "batch": args.batch,
                "seq": args.seq, "lr": args.lr, "bf16": args.bf16}
     tokens_a_step = args.batch * world * args.seq
-    while step < total:
+    while step < stop:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, total, args.lr, args.warmup, floor=args.floor)
         batch = data.sample(args.batch * world, args.seq, rng)[rank * args.batch:(rank + 1) * args.batch]
@@ -277,24 +294,25 @@ def _train(args: PretrainArgs, log, rank: int, world: int) -> dict:
         elapsed = time.time() - start
         done = step - first
         if not fixed_total and done >= 10 and done % 10 == 0:
-            total = max(step + 1, min(args.max_steps, first + int(budget / (elapsed / done))))
-        if elapsed > budget:
-            total = step
+            total = stop = max(step + 1, min(args.max_steps, first + int(budget / (elapsed / done))))
+        if elapsed > budget:  # a schedule that spans sittings stays where it is
+            stop = step
+            total = total if state.spans else step
         if world > 1:  # the first process's clock decides for all
             import torch.distributed as dist
 
-            decided = torch.tensor([total])
+            decided = torch.tensor([total, stop])
             dist.broadcast(decided, 0)
-            total = int(decided)
+            total, stop = decided.tolist()
         if done % 10 == 0:
             log(f"step {step}/{total} loss {loss.item():.3f} lr {opt.param_groups[0]['lr']:.2e} "
                 f"{done * tokens_a_step / elapsed:.0f} tok/s {elapsed:.0f}s")
-        if rank == 0 and (step % args.eval_every == 0 or step == total):
+        if rank == 0 and (step % args.eval_every == 0 or step == stop):
             bpb = bits_per_byte(lambda ids: view(ids), windows, byte_len)
             state.history.append({"step": step, "train_loss": loss.item(), "eval_bpb": bpb, "seconds": elapsed,
                                   "segment": len(state.segments)})
             log(f"eval bits/byte {json.dumps(bpb)}")
-        if rank == 0 and (time.time() - last_save > args.save_every_minutes * 60 or step == total):
+        if rank == 0 and (time.time() - last_save > args.save_every_minutes * 60 or step == stop):
             state.step, state.total = step, total
             state.rng = list(rng.getstate())
             save_checkpoint(view, opt, state, out)
