@@ -105,12 +105,15 @@ extern "C" int wb_isa() {
 // awake across it, where 100 us let them fall asleep and each step's first split call waited for a
 // wake-up (docs/PERFORMANCE.md has the figures).
 // A call made inside a part (a linear inside an expert's part), or while another thread's call
-// holds the pool, runs on its own thread. On a busy machine a worker may not be scheduled for a
-// whole time slice: a part no worker has claimed g_steal_micros after the caller finished its own
-// is run by the caller, so a call never waits for a thread that has not started; and since the
-// scheduler will not run that worker soon either, the calls of the next few milliseconds run on
-// the caller alone rather than each wait g_steal_micros again (and wake a worker that would spin
-// on the caller's core): 5 ms, doubling while the next try steals too, up to 160 ms.
+// holds the pool, runs on its own thread.
+//
+// On a busy machine a worker may not be scheduled for a whole time slice. A part no worker has
+// claimed g_steal_micros after the caller finished its own is run by the caller, so a call never
+// waits for a thread that has not started; where a worker had to be woken from sleep it gets 20
+// times that, since a wake-up takes the scheduler tens of microseconds even on an idle machine.
+// The scheduler will not run that worker soon either, so after a steal the calls of the next few
+// milliseconds run on the caller alone rather than each wait again (and wake a worker that would
+// spin on the caller's core): 5 ms, doubling while the next try steals too, up to 160 ms.
 namespace pool {
 
 using Part = void (*)(const void* ctx, int begin, int end);
@@ -219,13 +222,14 @@ void work(Pool* p, Slot* s, int index) {
     }
 }
 
-void wake(Slot& s, uint64_t job) {
+// true if the worker was asleep (it then needs the scheduler to wake it, tens of microseconds idle)
+bool wake(Slot& s, uint64_t job) {
     s.offer.store(job);  // before the ticket: a worker that sees the ticket sees the offer
     s.ticket.fetch_add(1);
-    if (s.asleep.load()) {
-        std::lock_guard<std::mutex> lk(s.m);
-        s.cv.notify_one();
-    }
+    if (!s.asleep.load()) return false;
+    std::lock_guard<std::mutex> lk(s.m);
+    s.cv.notify_one();
+    return true;
 }
 
 // at least `count` workers (the caller holds busy). A lower thread count leaves the extra ones
@@ -253,10 +257,12 @@ bool run(Part fn, const void* ctx, int n, int parts) {
     p.pending.store(parts - 1);
     p.unclaimed.store(parts - 1);
     const uint64_t j = ++p.job;
-    for (int i = 0; i < parts - 1; ++i) wake(*p.slots[i], j);
+    bool woke = false;  // a sleeping worker gets a wake-up's time before its part is taken
+    for (int i = 0; i < parts - 1; ++i) woke |= wake(*p.slots[i], j);
     t_in_part = true;
     fn(ctx, 0, int(long(n) / parts));
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(g_steal_micros.load());
+    const long wait = g_steal_micros.load();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(woke ? 20 * wait : wait);
     for (int i = 1; p.unclaimed.load() > 0 && std::chrono::steady_clock::now() < until; ++i)
         i % 64 ? _mm_pause() : std::this_thread::yield();
     bool stole = false;
