@@ -368,6 +368,8 @@ def test_browser_tuning_page_matches_the_cli(tmp_path):
             page.get_by_role("button", name="Run sweep").click()
             page.get_by_text("For vLLM").wait_for(timeout=2 * TIMEOUT * 1000)
             page.get_by_test_id("stPlotlyChart").nth(4).wait_for(timeout=TIMEOUT * 1000)
+            # the vLLM outputs render after their heading: on a loaded machine, seconds after it
+            page.get_by_test_id("stCode").nth(2).wait_for(timeout=TIMEOUT * 1000)
             rows = page.locator('[data-testid="stTable"] tbody tr').evaluate_all(
                 "rows => rows.map(r => [...r.querySelectorAll('th, td')].map(c => c.textContent.trim()))")
             verdict = page.locator('[data-testid="stAlert"]').first.text_content()
