@@ -102,7 +102,7 @@ def _build(path: Path) -> None:
 
 
 def _load():
-    if os.environ.get("WORKBENCH_CPU_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+    if _off(os.environ.get("WORKBENCH_CPU_KERNELS", "1")):
         return None, "off (WORKBENCH_CPU_KERNELS=0)"
     try:
         path = library_path()
@@ -133,7 +133,14 @@ def _load():
     lib.wb_set_threads.argtypes, lib.wb_set_min_work.argtypes, lib.wb_pool_trace.argtypes = [i], [lng], [i, p]
     lib.wb_set_min_work.restype = lib.wb_threads_created.restype = lib.wb_pool_jobs.restype = lng
     lib.wb_set_steal_micros.argtypes, lib.wb_set_steal_micros.restype = [lng], lng
+    lib.wb_set_amx.argtypes = [i]
+    if _off(os.environ.get("WORKBENCH_AMX", "1")):
+        lib.wb_set_amx(0)
     return lib, f"{path} ({_ISA_NAMES.get(isa, f'wb_isa() {isa}')})"
+
+
+def _off(value: str) -> bool:
+    return value.strip().lower() in ("0", "off", "false", "no")
 
 
 def _lib():
@@ -207,7 +214,23 @@ def status(with_threads: bool = True) -> str:
     use), or why not."""
     if _lib() is None:
         return _state["why"]
-    return f"on: {_state['why']}" + (f", {threads_text()}" if with_threads else "")
+    tiles = ", bf16 linears on AMX tiles" if amx() else ""
+    return f"on: {_state['why']}{tiles}" + (f", {threads_text()}" if with_threads else "")
+
+
+def amx() -> bool:
+    """Whether bf16 linears run on AMX tiles (a CPU with AMX-BF16 whose OS grants them, unless
+    WORKBENCH_AMX=0 or set_amx(False)); else they use AVX512-BF16 or fmas."""
+    return _lib() is not None and bool(_state["lib"].wb_amx())
+
+
+def set_amx(on: bool) -> bool:
+    """Ask for AMX tiles (granted only where amx() can be true) or switch them off; returns whether
+    they serve now. A tile sums its products in its own order, so a run's one-row and many-row calls
+    must take one path: switch before decoding, not during it."""
+    if _lib() is not None:
+        _state["lib"].wb_set_amx(int(bool(on)))
+    return amx()
 
 
 def threads_text() -> str:

@@ -53,8 +53,17 @@
 // each lane with the same operations in the same order (fmas over k in order, horizontal sums in
 // the tree of GCC's _mm512_reduce_add_ps), so an AVX2 build gives an AVX-512 build's bits, but for
 // a bf16 linear with vdpbf16ps, which adds each pair's products in its own order.
+//
+// On a CPU with AMX-BF16 (and an OS that grants the tiles), a bf16 linear in a bf16 call (wtype 1)
+// runs on the tiles instead, for every number of rows, one as sixteen: a tile multiply sums 32 k's
+// of products in its own way (neither vdpbf16ps's bits nor two fmas'), so the decode of one row
+// must take the same path as the verify of k + 1 for their rows to keep the same bits. Each output
+// sums the same 32-k chunks (at multiples of 32 from k = 0; the last zero-padded) in order, whatever
+// the rows, threads or spans of the call. `wb_set_amx(0)` (or WORKBENCH_AMX=0) serves vdpbf16ps.
 #include <immintrin.h>
 #include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -82,6 +91,27 @@
 
 // 0: neither AVX2+FMA nor AVX-512 (the kernels return -1); 1: AVX2+FMA; 2: AVX-512 F/BW/VL;
 // 3: AVX-512 with AVX512-BF16.
+#if WB_AVX512 && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define WB_AMX 1
+#else
+#define WB_AMX 0
+#endif
+
+namespace {
+// AMX tile data needs the kernel's leave (Linux >= 5.16): asked once, for the whole process (its
+// threads and forked children), when the library loads. Without it a tile instruction faults.
+bool amx_granted() {
+#if WB_AMX
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+    return false;
+#endif
+}
+std::atomic<bool> g_amx_granted{amx_granted()};
+std::atomic<bool> g_amx{g_amx_granted.load()};  // bf16 linears on the tiles
+}  // namespace
+
 extern "C" int wb_isa() {
 #if WB_AVX512 && defined(__AVX512BF16__)
     return 3;
@@ -332,6 +362,13 @@ long wb_set_steal_micros(long micros) {
     pool::g_alone_until.store(0);  // and split the next call again
     return pool::g_steal_micros.exchange(std::max(0L, micros));
 }
+
+// Whether bf16 linears in bf16 calls run on AMX tiles: 1 to ask (granted only where the build and
+// the OS allow), 0 for vdpbf16ps. Returns the previous setting. A run's calls must all take one
+// path, so that its one-row and many-row calls keep each row's bits: set it before decoding.
+int wb_set_amx(int on) { return g_amx.exchange(on != 0 && g_amx_granted.load()); }
+
+int wb_amx() { return g_amx.load(); }
 
 long wb_threads_created() { return pool::g_created.load(); }
 
@@ -762,6 +799,20 @@ inline size_t scale_stride(int K, int wtype) { return wtype == 3 ? size_t((K + Q
 // bytes per element of a weight type
 inline size_t weight_size(int wtype) { return wtype == 0 ? 4 : wtype == 1 || wtype == 4 ? 2 : 1; }
 
+// Writes a block's 16 sums for row m of y [M, N] (the lanes before N), in dtype: rounded, then
+// added to the residual's row and rounded again, as `h + linear(x)` rounds
+inline void store_sum(void* y, const void* residual, int dtype, int N, int m, int block, V16 v) {
+    const int n0 = block * 16, left = N - n0;
+    const size_t at = size_t(m) * N + n0;
+    if (residual) {
+        alignas(64) float f[16];
+        storef(f, v);
+        for (int l = 0; l < 16 && l < left; ++l) f[l] = round_to(f[l], dtype) + load(residual, dtype, at + l);
+        v = loadf(f);
+    }
+    store16n(y, dtype, at, v, left);
+}
+
 // wb_linear_w over the columns of NB blocks g0..g1-1: a thread's share, tiled as one thread tiles
 // it. x is fp32 for int8 weights (wtype 2, 3), else in dtype (fp32 for bf16 weights, wtype 4).
 void linear_columns(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
@@ -785,22 +836,120 @@ void linear_columns(const void* w, const float* s, const void* x, void* y, const
                 default: run_rows<4>(wp, bstride, sp, sstride, xp, K, ks, wtype, blocks, acc); break;
             }
             for (int m = 0; m < mb; ++m)
-                for (int b = 0; b < blocks; ++b) {
-                    const int n0 = (b0 + b) * 16, left = N - n0;
-                    const size_t at = size_t(m0 + m) * N + n0;
-                    V16 v = acc[m][b];
-                    if (residual) {  // rounded, then added and rounded: `h + linear(x)` in dtype
-                        alignas(64) float f[16];
-                        storef(f, v);
-                        for (int l = 0; l < 16 && l < left; ++l)
-                            f[l] = round_to(f[l], dtype) + load(residual, dtype, at + l);
-                        v = loadf(f);
-                    }
-                    store16n(y, dtype, at, v, left);
-                }
+                for (int b = 0; b < blocks; ++b) store_sum(y, residual, dtype, N, m0 + m, b0 + b, acc[m][b]);
         }
     }
 }
+
+#if WB_AMX
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Up to 4 rows (a decode, a verify), a block at a time: tile 0 its sums (rows x 16 fp32), 1 and 2
+// the rows' 32 k's of x in turn, 3-6 its next 16 k-pairs of weights in turn (the packing's
+// [K/2][16][2] is AMX's pair-interleaved layout), so that loads of a block's one sequential stream
+// of weights are in flight while the earlier chunks multiply. More rows, a chunk at a time: tiles
+// 0-3 a column's NB blocks of sums, 4 the rows' x, 5 and 6 the weights, each x tile used NB times.
+void configure_tiles(int rows, bool few) {
+    TileConfig c;
+    for (int t = 0; t < 7; ++t) c.colsb[t] = 64;
+    for (int t = 0; t < 7; ++t) c.rows[t] = uint8_t(few ? (t < 3 ? rows : 16) : (t < 5 ? rows : 16));
+    _tile_loadconfig(&c);
+}
+
+// wb_linear_w for bf16 x and W (wtype 1) on the tiles, over the columns g0..g1-1 and the 32-k
+// chunks starting at `chunks` (ascending multiples of 32; a last one past K reads zero padding)
+void linear_columns_amx(const uint16_t* w, const uint16_t* x, void* y, const void* residual, int M, int N, int K,
+                        const std::vector<int>& chunks, int g0, int g1) {
+    const size_t bstride = size_t(K) * 16;
+    const int nblk = (N + 15) / 16, tail = K % 32, n = int(chunks.size());
+    alignas(64) float sums[16][NB * 16];
+    alignas(64) uint16_t xt[16][32];     // the rows' last k's, zero-padded to 32
+    alignas(64) uint16_t wt[NB][16][32];  // each block's last k-pairs, zero-padded to 16 pairs
+    int configured = 0;
+    for (int m0 = 0; m0 < M; m0 += 16) {
+        const int mb = std::min(16, M - m0);
+        const bool few = mb <= 4;
+        if (mb != configured) configure_tiles(mb, few), configured = mb;  // (a new config zeroes the tiles)
+        const uint16_t* xm = x + size_t(m0) * K;
+        if (tail) {
+            std::memset(xt, 0, sizeof xt);
+            for (int m = 0; m < mb; ++m) std::memcpy(xt[m], xm + size_t(m) * K + K - tail, size_t(tail) * 2);
+        }
+        for (int b0 = g0 * NB; b0 < nblk && b0 < g1 * NB; b0 += NB) {
+            const int blocks = std::min(NB, nblk - b0);
+            const uint16_t* wp = w + size_t(b0) * bstride;
+            if (tail) {
+                std::memset(wt, 0, sizeof wt);
+                for (int b = 0; b < blocks; ++b)
+                    std::memcpy(wt[b], wp + b * bstride + size_t(K - tail) * 16, size_t(tail) * 32);
+            }
+            auto xtile = [&](int i) -> const void* { return chunks[i] + 32 > K ? static_cast<const void*>(xt) : xm + chunks[i]; };
+            auto wtile = [&](int b, int i) -> const void* {
+                return chunks[i] + 32 > K ? static_cast<const void*>(wt[b]) : wp + b * bstride + size_t(chunks[i]) * 16;
+            };
+            const int xs = K * 2;  // bytes between rows of x (the zero-padded tail's are 64: its rows are K's first)
+            auto xstride = [&](int i) { return chunks[i] + 32 > K ? 64 : xs; };
+            if (few) {
+                for (int b = 0; b < blocks; ++b) {  // tile numbers are immediates: four chunks unrolled
+                    _tile_zero(0);
+                    for (int i = 0; i < n; i += 4) {
+                        _tile_loadd(1, xtile(i), xstride(i));
+                        _tile_loadd(3, wtile(b, i), 64);
+                        _tile_dpbf16ps(0, 1, 3);
+                        if (i + 1 >= n) break;
+                        _tile_loadd(2, xtile(i + 1), xstride(i + 1));
+                        _tile_loadd(4, wtile(b, i + 1), 64);
+                        _tile_dpbf16ps(0, 2, 4);
+                        if (i + 2 >= n) break;
+                        _tile_loadd(1, xtile(i + 2), xstride(i + 2));
+                        _tile_loadd(5, wtile(b, i + 2), 64);
+                        _tile_dpbf16ps(0, 1, 5);
+                        if (i + 3 >= n) break;
+                        _tile_loadd(2, xtile(i + 3), xstride(i + 3));
+                        _tile_loadd(6, wtile(b, i + 3), 64);
+                        _tile_dpbf16ps(0, 2, 6);
+                    }
+                    _tile_stored(0, &sums[0][b * 16], NB * 64);
+                }
+            } else {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int i = 0; i < n; ++i) {
+                    _tile_loadd(4, xtile(i), xstride(i));
+                    _tile_loadd(5, wtile(0, i), 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (blocks > 1) { _tile_loadd(6, wtile(1, i), 64); _tile_dpbf16ps(1, 4, 6); }
+                    if (blocks > 2) { _tile_loadd(5, wtile(2, i), 64); _tile_dpbf16ps(2, 4, 5); }
+                    if (blocks > 3) { _tile_loadd(6, wtile(3, i), 64); _tile_dpbf16ps(3, 4, 6); }
+                }
+                _tile_stored(0, &sums[0][0], NB * 64);
+                _tile_stored(1, &sums[0][16], NB * 64);
+                _tile_stored(2, &sums[0][32], NB * 64);
+                _tile_stored(3, &sums[0][48], NB * 64);
+            }
+            for (int m = 0; m < mb; ++m)
+                for (int b = 0; b < blocks; ++b) store_sum(y, residual, 1, N, m0 + m, b0 + b, loadf(&sums[m][b * 16]));
+        }
+    }
+    _tile_release();  // (leaves the thread's tile state empty, cheap to save at a switch)
+}
+
+// The 32-k chunks (multiples of 32 from 0) that meet the ranges of `ks`: x is zero outside them,
+// so a chunk they do not meet adds only zero products, for any rows
+std::vector<int> amx_chunks(Spans ks) {
+    std::vector<int> chunks;
+    for (int i = 0; i < ks.n; ++i)
+        for (int c = ks.k[2 * i] / 32 * 32; c < ks.k[2 * i + 1]; c += 32)
+            if (chunks.empty() || chunks.back() < c) chunks.push_back(c);
+    return chunks;
+}
+#endif
 
 // wb_linear_w over the k's of `ks` only (x is zero outside them)
 int linear_spans(const void* w, const float* s, const void* x, void* y, const void* residual, int M, int N, int K,
@@ -816,6 +965,16 @@ int linear_spans(const void* w, const float* s, const void* x, void* y, const vo
     long width = 0;
     for (int i = 0; i < ks.n; ++i) width += ks.k[2 * i + 1] - ks.k[2 * i];
     const int columns = ((N + 15) / 16 + NB - 1) / NB;
+#if WB_AMX
+    if (wtype == 1 && dtype == 1 && g_amx.load(std::memory_order_relaxed)) {
+        const std::vector<int> chunks = amx_chunks(ks);
+        pool::parallel_for(columns, double(M) * N * width, [&](int g0, int g1) {
+            linear_columns_amx(static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(x), y, residual, M, N, K,
+                               chunks, g0, g1);
+        });
+        return 0;
+    }
+#endif
     pool::parallel_for(columns, double(M) * N * width, [&](int g0, int g1) {
         linear_columns(w, s, xs, y, residual, M, N, K, dtype, wtype, ks, g0, g1);
     });
