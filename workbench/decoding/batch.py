@@ -394,7 +394,9 @@ class BatchDecoder:
                     self._finish(row, row.emitter.finish)
                     continue
                 if self.drafter is not None:
+                    t0 = time.perf_counter()
                     self.drafter.admit(slot, row, prefill)
+                    ev.draft_time = time.perf_counter() - t0  # the draft's prefill, part of the request's
             except ValueError as e:  # SamplingError: unusable logits or settings
                 self._finish(row, "error", e)
                 continue

@@ -17,12 +17,11 @@ Variants are bound once at construction (the doctor probes others on weight-shar
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workbench.cache import KVCache
 from workbench.config import DraftConfig
-from workbench.models.mla import MLAttention, causal_mask
+from workbench.models.mla import MLAttention, attend_heads, causal_mask
 from workbench.models.moe import MLP
 from workbench.models.norm import RMSNorm
 from workbench.models.rope import RotaryEmbedding
@@ -53,14 +52,14 @@ class MHAttention(nn.Module):
         k = self.rotary(self.k_proj(x).view(B, T, self.n_kv, self.head_dim), cos, sin)
         return q, torch.cat([k.reshape(B, T, -1), self.v_proj(x)], dim=-1)
 
-    def attend(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool = False) -> torch.Tensor:
         B, T = q.shape[:2]
         S = rows.shape[1]
         k, v = rows.view(B, S, 2, self.n_kv, self.head_dim).unbind(2)
         rep = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, scale=self.scale)
+        o = attend_heads(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, causal)
         return o.transpose(1, 2).reshape(B, T, -1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
@@ -68,9 +67,11 @@ class MHAttention(nn.Module):
         T = x.shape[1]
         q, new_rows = self.project(x, positions)
         if cache is None:
-            return self.o_proj(self.attend(q, new_rows, causal_mask(T, [0], x.device) if T > 1 else None))
+            return self.o_proj(self.attend(q, new_rows, None, causal=True))
         starts = cache.lengths
         rows = cache.write(layer, new_rows)
+        if max(starts) == 0:  # every sequence's first tokens: its rows are the new ones
+            return self.o_proj(self.attend(q, rows, None, causal=True))
         return self.o_proj(self.attend(q, rows, causal_mask(T, starts, x.device)))
 
     def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int,

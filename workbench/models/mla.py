@@ -38,6 +38,23 @@ def causal_mask(num_new: int, starts: list[int], device: torch.device) -> torch.
     return torch.arange(max(starts) + num_new, device=device) <= q
 
 
+def attend_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                 causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for q [B,N,T,D], k [B,N,S,D], v [B,N,S,V], through torch's SDPA.
+
+    mask: bool [B or 1,1,T,S] (None: all visible); `causal` instead: the T tokens are the whole
+    sequence (S == T), each seeing itself and those before. A v narrower than q (MLA: v_head_dim
+    below qk's) is zero-padded to q's head size and the padding cut from the output: torch's fused
+    CPU kernel needs one head size for q, k and v, and without it SDPA falls back to unfused math,
+    10-25x slower on a 2,048-token prompt (docs/PERFORMANCE.md).
+    """
+    V = v.shape[-1]
+    if q.shape[-1] > V:
+        v = F.pad(v, (0, q.shape[-1] - V))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, is_causal=causal, scale=scale)
+    return o[..., :V]
+
+
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA of q_lat [B,T,N,L] and q_pe [B,T,N,R] over latent rows [B,S,L+R]: (out [B,T,N,L], lse [B,T,N]).
@@ -113,8 +130,9 @@ class MLAttention(nn.Module):
         return q_nope, q_pe, torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
 
     def attend_naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
-                     mask: torch.Tensor | None) -> torch.Tensor:
-        """Per-head K/V expanded from the latent rows [B,S,L+R]; mask [B or 1,1,T,S] bool (None: all visible)."""
+                     mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+        """Per-head K/V expanded from the latent rows [B,S,L+R]; mask [B or 1,1,T,S] bool (None: all
+        visible), or `causal` where the rows are the new tokens' own (`attend_heads`)."""
         B, T = q_nope.shape[:2]
         S = rows.shape[1]
         c_kv, k_pe = rows.split([self.kv_lora, self.rope], dim=-1)
@@ -122,10 +140,8 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, self.n_heads, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale
-        )  # [B, N, T, V]
-        return o.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)
+        o = attend_heads(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, causal)
+        return o.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)  # from [B, N, T, V]
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [N, P, L] and W_UV [N, V, L]: the two halves of kv_b_proj, per head."""
@@ -150,13 +166,14 @@ class MLAttention(nn.Module):
         T = x.shape[1]
         q_nope, q_pe, new_rows = self.project(x, positions)
         if cache is None:
-            mask = causal_mask(T, [0], x.device) if T > 1 else None
-            return self.o_proj(self.attend_naive(q_nope, q_pe, new_rows, mask))
+            return self.o_proj(self.attend_naive(q_nope, q_pe, new_rows, None, causal=True))
         starts = cache.lengths
         rows = cache.write(layer, new_rows)
         if path == "absorbed" or (path == "auto" and T <= ABSORB_MAX_TOKENS):
             ends = torch.tensor(starts, device=x.device) + T  # each sequence's own end
             return self.o_proj(self.attend_absorbed(q_nope, q_pe, cache.layer(layer), ends, max(starts) + T))
+        if max(starts) == 0:  # every sequence's first tokens: its rows are the new ones
+            return self.o_proj(self.attend_naive(q_nope, q_pe, rows, None, causal=True))
         return self.o_proj(self.attend_naive(q_nope, q_pe, rows, causal_mask(T, starts, x.device)))
 
     def forward_at(self, x: torch.Tensor, position: torch.Tensor, cache: KVCache, layer: int,
