@@ -332,6 +332,24 @@ def cmd_pd(args) -> int:
     return 0
 
 
+def cmd_context(args) -> int:
+    from workbench.analysis.context import context_sweep, load_documents
+
+    docs = load_documents(args.documents)[: args.limit or None]
+    pair = _load(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    report = context_sweep(pair, [d["text"] for d in docs], lengths=_numbers("--lengths", args.lengths, int),
+                           k=args.k, temperatures=_numbers("--temperatures", args.temperatures, float),
+                           new_tokens=args.new_tokens, seed=args.seed,
+                           progress=None if args.json else lambda line: print(line, file=sys.stderr))
+    out = report.to_dict() | {"pair": pair.status()}
+    print(json.dumps(out) if args.json else report.summary())
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from workbench.analysis.doctor import diagnose
 
@@ -530,6 +548,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-count", type=int, default=4)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_pd)
+
+    p = sub.add_parser("context", help="accept length, step time and speedup by context length (long prompts)")
+    _pair_args(p, dtype_default=None)
+    p.add_argument("--documents", default=str(REPO / "assets/prompts/long.jsonl"),
+                   help="JSONL of long documents ({\"text\": ...}), each cut at every --lengths")
+    p.add_argument("--limit", type=int, default=0, help="first N documents only (0: all)")
+    p.add_argument("--lengths", default="192,448,960,1920", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch's (and the CPU kernels') threads (0: torch's choice)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_context)
 
     p = sub.add_parser("doctor", help="probe a draft/verifier pairing for silent misconfiguration")
     _pair_args(p)
