@@ -17,6 +17,7 @@ Checkpoints are safetensors plus a JSON state, so resuming never unpickles anyth
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -34,6 +35,7 @@ from workbench.models.mla import MLAttention
 STEP_DECAY = 0.8
 
 
+@functools.lru_cache(maxsize=16)  # every training step asks for the same few (seq, step) masks
 def ttt_mask(seq: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[S, S*(step+1)] bool: query t sees step-0 keys j <= t and key t of every later step."""
     q = torch.arange(seq, device=device)[:, None]
@@ -47,11 +49,11 @@ def ttt_attend(attn, x: torch.Tensor, positions: torch.Tensor, rows: list[torch.
     if isinstance(attn, MLAttention):
         q_nope, q_pe, new = attn.project(x, positions)
         rows.append(new)
-        o = attn.attend_naive(q_nope, q_pe, torch.cat(rows, 1), ttt_mask(S, len(rows) - 1, x.device))
+        o = attn.attend_naive(q_nope, q_pe, torch.cat(rows, 1), ttt_mask(S, len(rows) - 1, str(x.device)))
     else:
         q, new = attn.project(x, positions)
         rows.append(new)
-        o = attn.attend(q, torch.cat(rows, 1), ttt_mask(S, len(rows) - 1, x.device))
+        o = attn.attend(q, torch.cat(rows, 1), ttt_mask(S, len(rows) - 1, str(x.device)))
     return attn.o_proj(o)
 
 
@@ -82,6 +84,7 @@ def ttt_loss(draft: Eagle3Draft, verifier: Verifier, ids: torch.Tensor, ttt_step
     with torch.no_grad():
         out = verifier(ids)
         target = out.logits.float().softmax(-1)  # [B, S, V]: the verifier's next-token distribution
+        target_ids = target.argmax(-1)  # [B, S]: its greedy token (the accuracy's reference)
         aux = tuple(a.to(draft.fc.weight.dtype) for a in out.aux_hidden_states)
     valid = torch.ones(B, S, device=ids.device) if loss_mask is None else loss_mask.float()
     h = draft.combine_hidden_states(aux)
@@ -95,15 +98,16 @@ def ttt_loss(draft: Eagle3Draft, verifier: Verifier, ids: torch.Tensor, ttt_step
         positions = (torch.arange(S, device=ids.device) + i)[None]
         pre = layer.block(embed(step_ids), h, lambda x: ttt_attend(layer.self_attn, x, positions, rows))
         post = draft.norm(pre)
-        logits = draft.compute_logits(post).float()
-        tgt = torch.cat([target[:, i + 1:], torch.zeros_like(target[:, : i + 1])], dim=1)
-        mask = torch.cat([valid[:, i + 1:], torch.zeros_like(valid[:, : i + 1])], dim=1)
-        ce = -(tgt * logits.log_softmax(-1).clamp_min(-1e4)).sum(-1)  # -inf logits outside the draft vocab
+        # position t of step i predicts token t + i + 1: the last i + 1 positions have no target
+        n = S - i - 1
+        logits = draft.compute_logits(post[:, :n]).float()
+        mask = valid[:, i + 1:]
+        ce = -(target[:, i + 1:] * logits.log_softmax(-1).clamp_min(-1e4)).sum(-1)  # -inf outside the draft vocab
         denom = mask.sum().clamp_min(1)
         loss_i = (ce * mask).sum() / denom
         total = total + STEP_DECAY ** i * loss_i
         losses.append(float(loss_i.detach()))
-        accs.append(float(((logits.argmax(-1) == tgt.argmax(-1)).float() * mask).sum() / denom))
+        accs.append(float(((logits.argmax(-1) == target_ids[:, i + 1:]).float() * mask).sum() / denom))
         h = post if draft.norm_output else pre  # what inference feeds back (EAGLE-3.1: the post-norm state)
         step_ids = shift_left(step_ids)
     return total, StepMetrics(float(total.detach()), losses, accs)
