@@ -15,7 +15,7 @@ What differs from the reference forward, and why:
 - tokens are grouped by expert with one sort and one gather, and scattered back with one `index_add_`;
 - the loss is a chunked linear + cross-entropy (`LinearCrossEntropy`): fp32 softmax per chunk, the
   [tokens, vocab] logits never stored, their gradient formed in place of a second pass.
-The forward equals the reference's to bf16 rounding (tested in tests/test_train_view.py).
+The forward equals the reference's to bf16 rounding (tested in tests/test_pretrain.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.models import Verifier
-from workbench.models.mla import MLAttention
+from workbench.models.mla import MLAttention, attend_heads
 from workbench.models.moe import MLP, MoE
 from workbench.models.norm import RMSNorm
 
@@ -94,11 +94,7 @@ def _attention(a: MLAttention, x: torch.Tensor, positions: torch.Tensor, dtype: 
     k_nope, v = kv.split([a.nope, a.v_dim], dim=-1)
     k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, T, a.n_heads, a.rope)], dim=-1)
     q = torch.cat([q_nope, q_pe], dim=-1)
-    # SDPA's flash kernel wants v as wide as q and k; zero columns of v give zero outputs, cut after.
-    pad = q.shape[-1] - a.v_dim
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                       F.pad(v, (0, pad)).transpose(1, 2) if pad > 0 else v.transpose(1, 2),
-                                       is_causal=True, scale=a.scale)[..., :a.v_dim]
+    o = attend_heads(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, a.scale, causal=True)
     return _linear(a.o_proj, o.transpose(1, 2).reshape(B, T, a.n_heads * a.v_dim))
 
 
