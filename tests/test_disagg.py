@@ -114,11 +114,15 @@ def test_bad_mode_and_fused_decoders_are_refused(pairs):
 
 
 def test_pd_study_and_the_cli(pairs, capsys):
-    from workbench.analysis.pd import long_prompts, pd_study
+    from workbench.analysis.context import load_documents
+    from workbench.analysis.pd import document_cuts, pd_study
     from workbench.cli import main
 
-    long = long_prompts(pairs["mla"], [PROMPT, "def add(a, b):\n    return a + b"], 200, count=1)
-    assert 190 <= len(pairs["mla"].encode(long[0])) <= 210
+    docs = [d["text"] for d in load_documents()]
+    long = document_cuts(pairs["mla"], docs, 200, count=1)
+    assert 190 <= len(pairs["mla"].encode(long[0])) <= 210 and docs[0].startswith(long[0])
+    with pytest.raises(ValueError, match="reach 400 tokens; expected 2"):
+        document_cuts(pairs["mla"], ["def f(): pass", docs[0]], 400, count=2)
     report = pd_study(pairs, {"short": [PROMPT], "long": long}, k=2, max_new_tokens=12)
     assert [(r.draft, r.prompts, r.mode) for r in report.results][:3] == [("mla", "short", m) for m in MODES]
     for r in report.results:
@@ -132,6 +136,10 @@ def test_pd_study_and_the_cli(pairs, capsys):
     assert main(["pd", "--limit", "1", "--max-new-tokens", "6", "--mha-draft", "", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["mode"] for r in out["results"]] == list(MODES)
+    assert main(["pd", "--limit", "1", "--max-new-tokens", "4", "--mha-draft", "", "--long-tokens", "40,90",
+                 "--long-count", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted({r["prompts"] for r in out["results"]}) == ["long-40", "long-90", "short"]
     assert main(["pd", "--limit", "1", "--long-tokens", "5000"]) == 2
     assert "--long-tokens = 5000" in capsys.readouterr().err
 

@@ -312,7 +312,8 @@ def _numbers(flag: str, text: str, kind: type) -> list:
 
 
 def cmd_pd(args) -> int:
-    from workbench.analysis.pd import long_prompts, pd_study
+    from workbench.analysis.context import load_documents
+    from workbench.analysis.pd import document_cuts, pd_study
 
     prompts = read_prompts(args.prompts, args.limit)
     pair = _load(args)
@@ -322,11 +323,13 @@ def cmd_pd(args) -> int:
     if args.mha_draft:
         pairs["mha"] = pair.with_draft(args.mha_draft)
     sets = {"short": prompts}
-    if args.long_tokens:
-        if not 1 < args.long_tokens < pair.context_length - args.max_new_tokens:
-            raise ValueError(f"--long-tokens = {args.long_tokens}; expected 2..{pair.context_length - args.max_new_tokens - 1}"
+    longs = _numbers("--long-tokens", args.long_tokens, int) if args.long_tokens else []
+    docs = [d["text"] for d in load_documents(args.documents)] if longs else []
+    for n in longs:
+        if not 1 < n < pair.context_length - args.max_new_tokens:
+            raise ValueError(f"--long-tokens = {n}; expected 2..{pair.context_length - args.max_new_tokens - 1}"
                              f" (the context is {pair.context_length} tokens, {args.max_new_tokens} of them to generate)")
-        sets["long"] = long_prompts(pair, prompts, args.long_tokens, args.long_count)
+        sets[f"long-{n}"] = document_cuts(pair, docs, n, args.long_count)
     report = pd_study(pairs, sets, k=args.k, max_new_tokens=args.max_new_tokens)
     print(json.dumps(report.to_dict()) if args.json else report.summary())
     return 0
@@ -544,8 +547,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--mha-draft", default=str(REPO / "assets/tiny-kimi/draft-mha"),
                    help="an MHA draft of the same verifier to compare ('' for none)")
-    p.add_argument("--long-tokens", type=int, default=0, help="also prompts of this many tokens (0: none)")
-    p.add_argument("--long-count", type=int, default=4)
+    p.add_argument("--long-tokens", default="",
+                   help="also prompts of these many tokens, comma-separated (e.g. 512,1024,1920), cut from --documents")
+    p.add_argument("--long-count", type=int, default=4, help="long prompts per length")
+    p.add_argument("--documents", default=str(REPO / "assets/prompts/long.jsonl"),
+                   help="JSONL of long documents ({\"text\": ...}) the long prompts are cut from")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_pd)
 

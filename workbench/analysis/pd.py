@@ -20,7 +20,7 @@ from workbench.decoding.engine import SpecDecoder
 @dataclass
 class ModeResult:
     draft: str  # "mla" | "mha"
-    prompts: str  # which prompt set: "short" | "long"
+    prompts: str  # which prompt set: "short" | "long-<tokens>"
     mode: str
     num_prompts: int
     mean_prompt_tokens: float
@@ -60,17 +60,17 @@ class PDReport:
         return "\n".join(lines)
 
 
-def long_prompts(pair, prompts: list[str], tokens: int, count: int = 4) -> list[str]:
-    """`count` prompts of about `tokens` tokens each, made by joining consecutive prompts."""
-    out, i = [], 0
-    while len(out) < count:
-        text, n = "", 0
-        while n < tokens + 16:  # each piece counted once (a margin for merges at the joins); cut below
-            piece = prompts[i % len(prompts)] + "\n\n"
-            text, n, i = text + piece, n + len(pair.tokenizer.encode(piece, add_bos=False)), i + 1
-        ids = pair.encode(text)[:tokens]
-        out.append(pair.decode(ids[1:] if pair.tokenizer.bos_token_id is not None else ids))
-    return out
+def document_cuts(pair, documents: list[str], tokens: int, count: int = 4) -> list[str]:
+    """The first `tokens` tokens of each of the first `count` documents long enough (long held-out
+    code, `assets/prompts/long.jsonl`), as text."""
+    out = []
+    for text in documents:
+        ids = pair.encode(text)
+        if len(ids) >= tokens:
+            out.append(pair.decode(ids[1:tokens] if pair.tokenizer.bos_token_id is not None else ids[:tokens]))
+        if len(out) == count:
+            return out
+    raise ValueError(f"{len(out)} of the documents reach {tokens} tokens; expected {count}")
 
 
 def _modes(pair, kind: str, name: str, prompts: list[str], modes, k: int, max_new: int) -> list[ModeResult]:
