@@ -43,12 +43,12 @@ def test_the_long_documents_are_held_out_permissive_and_long_enough(pair):
 def test_a_bad_documents_file_names_the_file_line_and_field(tmp_path):
     bad = tmp_path / "docs.jsonl"
     bad.write_text('{"text": "def f(): pass"}\n{"text": 3}\n')
-    with pytest.raises(ValueError, match=r"docs.jsonl, line 2: field \"text\""):
+    with pytest.raises(ValueError, match=r"docs.jsonl, line 2: field \"text\" missing"):
         load_documents(bad)
     bad.write_text("{not json\n")
-    with pytest.raises(ValueError, match=r"docs.jsonl, line 1: not JSON"):
+    with pytest.raises(ValueError, match=r"docs.jsonl, line 1: not valid JSON"):
         load_documents(bad)
-    with pytest.raises(ValueError, match="cannot read"):
+    with pytest.raises(ValueError, match="cannot read it"):
         load_documents(tmp_path / "missing.jsonl")
 
 

@@ -129,26 +129,10 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def parse_prompts(text: str, name: str) -> list[str]:
-    """JSONL text with {"prompt": ...} per line; errors name the file (`name`) and the line."""
-    prompts = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name}:{i}: not valid JSON ({e}); expected {{\"prompt\": ...}} per line") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise ValueError(f"{name}:{i}: field 'prompt' missing or empty; expected a non-empty string")
-        prompts.append(obj["prompt"])
-    if not prompts:
-        raise ValueError(f"{name}: no prompts; expected JSONL lines like {{\"prompt\": \"def f(x):\"}}")
-    return prompts
-
-
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    prompts = parse_prompts(Path(path).read_text(), str(path))
+    from workbench.jsonl import read_records
+
+    prompts = [r["prompt"] for r in read_records(path, "prompt", '{"prompt": "def f(x):"}')]
     return prompts[:limit] if limit else prompts
 
 

@@ -14,7 +14,6 @@ longest context's clean accept length over the shortest's (issue 43's target: at
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from statistics import median
 from workbench.analysis.degeneracy import accept_split
 from workbench.analysis.kvcache import bytes_per_token
 from workbench.decoding.engine import SpecDecoder, generate_autoregressive
+from workbench.jsonl import read_records
 
 DEFAULT_DOCUMENTS = Path(__file__).resolve().parents[2] / "assets" / "prompts" / "long.jsonl"
 DEFAULT_LENGTHS = (192, 448, 960, 1920)
@@ -32,25 +32,7 @@ BUCKETS = ((0, 256), (256, 512), (512, 1024), (1024, 2048))  # tokens of context
 def load_documents(path: str | Path = DEFAULT_DOCUMENTS) -> list[dict]:
     """The documents of a JSONL file: each line an object with a non-empty "text" (other fields,
     such as package and licence, are kept). A bad line is an error naming the file, line and field."""
-    path = Path(path)
-    docs = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read the documents: {e.strerror or e}") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            doc = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}, line {n}: not JSON ({e.msg}); expected an object with a \"text\" field") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("text"), str) or not doc["text"].strip():
-            raise ValueError(f"{path}, line {n}: field \"text\" must be a non-empty string")
-        docs.append(doc)
-    if not docs:
-        raise ValueError(f"{path}: no documents; expected JSONL lines with a \"text\" field")
-    return docs
+    return read_records(path, "text", '{"text": "import os\\n...", "license": "MIT"}')
 
 
 def bucket_of(context: int) -> str:
