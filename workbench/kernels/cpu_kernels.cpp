@@ -848,15 +848,16 @@ struct alignas(64) TileConfig {
     uint8_t rows[16] = {};
 };
 
-// Up to 4 rows (a decode, a verify), a block at a time: tile 0 its sums (rows x 16 fp32), 1 and 2
-// the rows' 32 k's of x in turn, 3-6 its next 16 k-pairs of weights in turn (the packing's
-// [K/2][16][2] is AMX's pair-interleaved layout), so that loads of a block's one sequential stream
-// of weights are in flight while the earlier chunks multiply. More rows, a chunk at a time: tiles
-// 0-3 a column's NB blocks of sums, 4 the rows' x, 5 and 6 the weights, each x tile used NB times.
+// Up to 4 rows (a decode, a verify), two blocks at a time: tiles 0 and 7 their sums (rows x 16
+// fp32), 1 and 2 the rows' 32 k's of x in turn, 3-6 the blocks' next 16 k-pairs of weights (the
+// packing's [K/2][16][2] is AMX's pair-interleaved layout), so that weight loads are in flight
+// while the earlier chunks multiply, and the two sums' chains overlap (a lone last block: four
+// chunks in turn through 3-6). More rows, a chunk at a time: tiles 0-3 a column's NB blocks of
+// sums, 4 the rows' x, 5 and 6 the weights, each x tile used NB times.
 void configure_tiles(int rows, bool few) {
     TileConfig c;
-    for (int t = 0; t < 7; ++t) c.colsb[t] = 64;
-    for (int t = 0; t < 7; ++t) c.rows[t] = uint8_t(few ? (t < 3 ? rows : 16) : (t < 5 ? rows : 16));
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
+    for (int t = 0; t < 8; ++t) c.rows[t] = uint8_t(few ? (t < 3 || t == 7 ? rows : 16) : (t < 5 ? rows : 16));
     _tile_loadconfig(&c);
 }
 
@@ -894,7 +895,27 @@ void linear_columns_amx(const uint16_t* w, const uint16_t* x, void* y, const voi
             const int xs = K * 2;  // bytes between rows of x (the zero-padded tail's are 64: its rows are K's first)
             auto xstride = [&](int i) { return chunks[i] + 32 > K ? 64 : xs; };
             if (few) {
-                for (int b = 0; b < blocks; ++b) {  // tile numbers are immediates: four chunks unrolled
+                int b = 0;
+                for (; b + 1 < blocks; b += 2) {  // two blocks at once: sums in tiles 0 and 7, one x tile for both
+                    _tile_zero(0);
+                    _tile_zero(7);
+                    for (int i = 0; i < n; i += 2) {
+                        _tile_loadd(1, xtile(i), xstride(i));
+                        _tile_loadd(3, wtile(b, i), 64);
+                        _tile_loadd(4, wtile(b + 1, i), 64);
+                        _tile_dpbf16ps(0, 1, 3);
+                        _tile_dpbf16ps(7, 1, 4);
+                        if (i + 1 >= n) break;
+                        _tile_loadd(2, xtile(i + 1), xstride(i + 1));
+                        _tile_loadd(5, wtile(b, i + 1), 64);
+                        _tile_loadd(6, wtile(b + 1, i + 1), 64);
+                        _tile_dpbf16ps(0, 2, 5);
+                        _tile_dpbf16ps(7, 2, 6);
+                    }
+                    _tile_stored(0, &sums[0][b * 16], NB * 64);
+                    _tile_stored(7, &sums[0][(b + 1) * 16], NB * 64);
+                }
+                for (; b < blocks; ++b) {  // tile numbers are immediates: four chunks unrolled
                     _tile_zero(0);
                     for (int i = 0; i < n; i += 4) {
                         _tile_loadd(1, xtile(i), xstride(i));
