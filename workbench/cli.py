@@ -129,10 +129,20 @@ def cmd_generate(args) -> int:
     return 0
 
 
+PROMPT_EXAMPLE = '{"prompt": "def f(x):"}'
+
+
+def parse_prompts(text: str, name: str) -> list[str]:
+    """The prompts of JSONL text, {"prompt": ...} per line (an upload's, say); errors name `name` and the line."""
+    from workbench.jsonl import parse_records
+
+    return [r["prompt"] for r in parse_records(text, name, "prompt", PROMPT_EXAMPLE, "prompts")]
+
+
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     from workbench.jsonl import read_records
 
-    prompts = [r["prompt"] for r in read_records(path, "prompt", '{"prompt": "def f(x):"}')]
+    prompts = [r["prompt"] for r in read_records(path, "prompt", PROMPT_EXAMPLE, "prompts")]
     return prompts[:limit] if limit else prompts
 
 
@@ -534,14 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-tokens", default="",
                    help="also prompts of these many tokens, comma-separated (e.g. 512,1024,1920), cut from --documents")
     p.add_argument("--long-count", type=int, default=4, help="long prompts per length")
-    p.add_argument("--documents", default=str(REPO / "assets/prompts/long.jsonl"),
+    p.add_argument("--documents", default=str(REPO / "assets/documents/long.jsonl"),
                    help="JSONL of long documents ({\"text\": ...}) the long prompts are cut from")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_pd)
 
     p = sub.add_parser("context", help="accept length, step time and speedup by context length (long prompts)")
     _pair_args(p, dtype_default=None)
-    p.add_argument("--documents", default=str(REPO / "assets/prompts/long.jsonl"),
+    p.add_argument("--documents", default=str(REPO / "assets/documents/long.jsonl"),
                    help="JSONL of long documents ({\"text\": ...}), each cut at every --lengths")
     p.add_argument("--limit", type=int, default=0, help="first N documents only (0: all)")
     p.add_argument("--lengths", default="192,448,960,1920", help="prompt lengths in tokens, comma-separated")

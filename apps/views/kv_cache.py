@@ -10,7 +10,8 @@ from views import charts
 from views.prompt_sets import PROMPTS_DIR
 from workbench.analysis.kvcache import (HANDOVER_MODES, KIMI_K2_MLA_DRAFT, KIMI_K2_VERIFIER, bytes_per_token,
                                         handover_bytes, memory_table, mha_equivalent)
-from workbench.analysis.pd import long_prompts, pd_study, role_mismatches
+from workbench.analysis.context import load_documents
+from workbench.analysis.pd import document_cuts, pd_study, role_mismatches
 from workbench.cli import parse_prompts
 from workbench.analysis.vllm_keys import speculative_config
 
@@ -27,10 +28,12 @@ def mha_twin(pair_key: str, _pair):
 
 @st.cache_data(show_spinner="Prefilling, handing over and decoding every prompt in every mode ...", max_entries=8)
 def measure_pd(pair_key: str, n: int, long_tokens: int, max_new: int, _pairs: dict) -> dict:
-    """`pd_study` on the first n code prompts and on n long ones (cached on the inputs; `_pairs` not hashed)."""
+    """`pd_study` on the first n code prompts and on n long ones, cut from long held-out documents
+    (cached on the inputs; `_pairs` not hashed)."""
     prompts = parse_prompts((PROMPTS_DIR / "code.jsonl").read_text(), "assets/prompts/code.jsonl")[:n]
     first = next(iter(_pairs.values()))
-    sets = {"short": prompts, "long": long_prompts(first, prompts, long_tokens, n)}
+    docs = [d["text"] for d in load_documents()]
+    sets = {"short": prompts, f"long-{long_tokens}": document_cuts(first, docs, long_tokens, n)}
     return pd_study(_pairs, sets, k=3, max_new_tokens=max_new).to_dict()
 
 

@@ -1,6 +1,6 @@
 """Accept length by context length: whether a draft holds up as the prompt grows (issue 43).
 
-Each long document (default `assets/prompts/long.jsonl`: the openings of third-party files from the
+Each long document (default `assets/documents/long.jsonl`: the openings of third-party files from the
 packages held out of the chat verifier's corpus, each line naming its package, version, path and
 licence) is cut after L of its tokens for each L in `lengths`, and the cut is continued for
 `new_tokens` tokens: speculatively (k, at each temperature) and, greedily, by plain decoding, back
@@ -24,7 +24,7 @@ from workbench.analysis.kvcache import bytes_per_token
 from workbench.decoding.engine import SpecDecoder, generate_autoregressive
 from workbench.jsonl import read_records
 
-DEFAULT_DOCUMENTS = Path(__file__).resolve().parents[2] / "assets" / "prompts" / "long.jsonl"
+DEFAULT_DOCUMENTS = Path(__file__).resolve().parents[2] / "assets" / "documents" / "long.jsonl"
 DEFAULT_LENGTHS = (192, 448, 960, 1920)
 BUCKETS = ((0, 256), (256, 512), (512, 1024), (1024, 2048))  # tokens of context a step sees
 
@@ -32,7 +32,7 @@ BUCKETS = ((0, 256), (256, 512), (512, 1024), (1024, 2048))  # tokens of context
 def load_documents(path: str | Path = DEFAULT_DOCUMENTS) -> list[dict]:
     """The documents of a JSONL file: each line an object with a non-empty "text" (other fields,
     such as package and licence, are kept). A bad line is an error naming the file, line and field."""
-    return read_records(path, "text", '{"text": "import os\\n...", "license": "MIT"}')
+    return read_records(path, "text", '{"text": "import os\\n...", "license": "MIT"}', "documents")
 
 
 def bucket_of(context: int) -> str:

@@ -62,7 +62,7 @@ class PDReport:
 
 def document_cuts(pair, documents: list[str], tokens: int, count: int = 4) -> list[str]:
     """The first `tokens` tokens of each of the first `count` documents long enough (long held-out
-    code, `assets/prompts/long.jsonl`), as text."""
+    code, `assets/documents/long.jsonl`), as text."""
     out = []
     for text in documents:
         ids = pair.encode(text)
