@@ -52,7 +52,7 @@ def test_report_pools_the_runs_it_made(pair):
     m = r["machine"]  # what the figures were measured on, read from this machine
     assert m["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability() and m["cores"] == os.cpu_count()
     flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    assert m["fast_bf16"] == ("avx512_bf16" in flags or "amx_bf16" in flags)
+    assert m["fast_bf16"] == ("avx512_bf16" in flags or "amx_bf16" in flags) and m["amx_bf16"] == ("amx_bf16" in flags)
     assert default_dtype("cpu") == ("bfloat16" if m["fast_bf16"] else "float32") and default_dtype("cuda") == "bfloat16"
     machine_line = next(line for line in text.splitlines() if line.startswith("on "))  # after the loops and warnings
     assert f"({m['cores']} cores, {m['torch_cpu_capability']}, fast bf16: {m['fast_bf16']})" in machine_line

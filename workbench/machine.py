@@ -26,4 +26,5 @@ def machine() -> dict:
     one; on an AVX2 CPU fp32 is the default and a 4-row fp32 matmul costs 2-3 one-row ones."""
     model, flags = cpu_info()
     return {"cpu": model, "cores": os.cpu_count(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "fast_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}), "torch": torch.__version__}
+            "fast_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}), "amx_bf16": "amx_bf16" in flags,
+            "torch": torch.__version__}
