@@ -16,7 +16,7 @@ PACKAGE = REPO / "workbench"
 # say (no model code); `cache` is the KV cache's data structure, which the models write into.
 LAYERS = [
     ("formats", ["workbench.config", "workbench.checkpoint", "workbench.tokenizer", "workbench.machine",
-                 "workbench.cache", "workbench.batch_schedule", "workbench.engine_readings"]),
+                 "workbench.cache", "workbench.batch_schedule", "workbench.engine_readings", "workbench.jsonl"]),
     ("models", ["workbench.models"]),
     ("kernels and transforms", ["workbench.kernels", "workbench.variants", "workbench.compiled", "workbench.fast",
                                 "workbench.pair"]),
