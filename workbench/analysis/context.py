@@ -21,6 +21,7 @@ from statistics import median
 
 from workbench.analysis.degeneracy import accept_split
 from workbench.analysis.kvcache import bytes_per_token
+from workbench.analysis.protocol import Timing
 from workbench.decoding.engine import SpecDecoder, generate_autoregressive
 from workbench.jsonl import read_records
 
@@ -107,10 +108,9 @@ class ContextReport:
 
 
 def _decode_rate(results) -> float:
-    """Decode tokens over decode seconds, pooled (each result's first token is its prefill's)."""
-    tokens = sum(max(len(r.tokens) - 1, 0) for r in results)
-    seconds = sum(max(r.stats.elapsed - r.stats.prefill_time, 0.0) for r in results)
-    return tokens / seconds if seconds > 0 else 0.0
+    """Decode tokens over decode seconds, pooled, as the protocol clocks them."""
+    t = Timing.total([Timing.of(r) for r in results])
+    return t.decode_tokens / t.decode_s if t.decode_s > 0 else 0.0
 
 
 def context_sweep(pair, documents: Sequence[str], lengths: Sequence[int] = DEFAULT_LENGTHS, k: int = 3,
