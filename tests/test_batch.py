@@ -16,7 +16,8 @@ from tests.test_sampling import (END, PROMPT, VOCAB, empirical, exact_first_two,
                                  resample_bug, tv)
 
 import workbench as wb
-from workbench.decoding.adaptive import ConfidenceStop, GoodputEMA, ScheduleK, StepCosts
+from workbench.analysis.costmodel import StepCosts
+from workbench.decoding.adaptive import ConfidenceStop, GoodputEMA, ScheduleK
 from workbench.decoding.batch import BatchDecoder
 from workbench.decoding.drafters import Proposal
 from workbench.batch_schedule import read_schedule

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -19,7 +20,25 @@ import workbench as wb
 from tests.helpers import make_random_pair
 from tests.test_sampling import empirical, null_tv_max, tv
 from workbench.decoding.logits import Context, SamplingParams, adjust, probs_from_logits
-from workbench.decoding.sampling import BlockAcceptor, FixedDraws, GeneratorDraws, RejectionAcceptor, block_verify
+from workbench.decoding.sampling import BlockAcceptor, GeneratorDraws, RejectionAcceptor, block_verify
+
+
+class FixedDraws:
+    """Given uniforms, used in order: a sample is the inverse CDF at the next one, so a test can
+    compute every accept and every recovered token directly (vLLM's tests share noise the same way)."""
+
+    def __init__(self, uniforms: Iterable[float]) -> None:
+        self.uniforms = iter(uniforms)
+        self.used = 0
+
+    def uniform(self) -> float:
+        self.used += 1
+        return float(next(self.uniforms))
+
+    def sample(self, probs: torch.Tensor) -> int:
+        cdf = probs.double().cumsum(0)
+        return int(torch.searchsorted(cdf, self.uniform() * cdf[-1], right=True).clamp(max=probs.shape[0] - 1))
+
 
 V = 4
 

@@ -10,7 +10,8 @@ from workbench.analysis.degeneracy import accept_split, detect_loop
 from workbench.cache import ContextLengthError, KVCache
 from workbench.checkpoint import CheckpointError
 from workbench.config import ConfigError, DraftConfig, VerifierConfig
-from workbench.decoding.adaptive import Compose, ConfidenceStop, GoodputEMA, ScheduleK, StaticK, StepCosts
+from workbench.analysis.costmodel import StepCosts
+from workbench.decoding.adaptive import Compose, ConfidenceStop, GoodputEMA, ScheduleK, StaticK
 from workbench.decoding.batch import BatchDecoder
 from workbench.decoding.engine import MAX_K, RequestError, SpecDecoder, generate_autoregressive
 from workbench.decoding.events import GenerationResult, GenerationStats, StepEvent

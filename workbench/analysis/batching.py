@@ -29,7 +29,8 @@ from statistics import median
 from workbench.analysis.degeneracy import accept_split
 from workbench.decoding.stats import compute_stats
 from workbench.analysis.protocol import Arm, Interval, Measurements, Progress, Timing, check_protocol, measure
-from workbench.decoding.adaptive import ConfidenceStop, GoodputEMA, KPolicy, StepCosts
+from workbench.analysis.costmodel import StepCosts
+from workbench.decoding.adaptive import ConfidenceStop, GoodputEMA, KPolicy
 from workbench.decoding.batch import BatchDecoder, BatchStep
 from workbench.decoding.engine import MAX_K
 from workbench.decoding.events import GenerationResult

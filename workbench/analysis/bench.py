@@ -187,10 +187,9 @@ def step_components(dec, prompt: str | list[int], max_new_tokens: int = 128, rep
     pair, k, engine = dec.pair, dec.k, dec.engine
     ar = generate_autoregressive(pair, prompt, max_new_tokens)
     seq = ar.prompt_tokens + ar.tokens[: max(0, len(ar.tokens) - 1) // 2]
-    cache_len = dec.cache_rows(len(ar.prompt_tokens), max_new_tokens, pair.context_length)
-    if len(seq) + 2 * (k + 1) > cache_len:
-        raise ValueError(f"step components: {len(seq)} positions leave no room for two steps of k = {k} in a "
-                         f"{cache_len}-row cache; expected a shorter prompt or more max_new_tokens")
+    if len(seq) + 2 * (k + 1) > pair.context_length:
+        raise ValueError(f"step components: {len(seq)} positions leave no room for two steps of k = {k} in the "
+                         f"{pair.context_length}-token context; expected a shorter prompt or fewer max_new_tokens")
 
     def median_ms(fn) -> float:
         return statistics.median(_timed(fn)[1] for _ in range(repeats)) * 1e3

@@ -17,16 +17,97 @@ resample.
 """
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from workbench.decoding.stats import compute_stats, expected_accept_length
 from workbench.analysis.protocol import BOOTSTRAP, Measurements, Timing, percentile_interval, resample
 from workbench.decoding.events import StepEvent
-from workbench.decoding.stats import Line
+from workbench.decoding.stats import compute_stats, expected_accept_length
 
 MODEL_RESAMPLES = BOOTSTRAP // 4  # each resample refits the model: fewer, still a stable 95% interval
+
+
+@dataclass(frozen=True)
+class Line:
+    """y = a + b * x, least squares; b = 0 where fewer than two x were measured."""
+
+    a: float
+    b: float
+
+    @classmethod
+    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> "Line":
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+        return cls(my - b * mx, b)
+
+    def __call__(self, x: float) -> float:
+        return self.a + self.b * x
+
+
+@dataclass
+class StepCosts:
+    """What a step with k proposals costs at batch size B, in plain decodes at that batch size
+    (t_step(B, k) / t_decode(B)), from measured points {(B, k): cost}. Between measured batch sizes
+    the cost is interpolated in log2(B) and held beyond them; past the largest measured k it grows
+    by the last measured step in k (a line, as `costmodel` fits one)."""
+
+    points: Mapping[tuple[int, int], float]
+    source: str = "measured"
+    _by_b: dict = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        by_b: dict[int, dict[int, float]] = {}
+        for (b, k), c in self.points.items():
+            if not (isinstance(b, int) and b >= 1 and isinstance(k, int) and k >= 0 and c > 0 and math.isfinite(c)):
+                raise ValueError(f"StepCosts: point ({b!r}, {k!r}) -> {c!r}; expected batch size >= 1, k >= 0 "
+                                 "and a finite cost > 0")
+            by_b.setdefault(b, {})[k] = float(c)
+        if not by_b:
+            raise ValueError("StepCosts: no points; expected measured {(batch_size, k): cost}")
+        self._by_b = dict(sorted(by_b.items()))
+
+    def _at(self, b: int, k: int) -> float:
+        ks = {0: 1.0, **self._by_b[b]}  # a step with nothing proposed is a plain decode
+        known = sorted(ks)
+        if k in ks:
+            return ks[k]
+        lo = max((x for x in known if x < k), default=known[0])
+        hi = min((x for x in known if x > k), default=None)
+        if hi is None:  # past the largest measured k: the last measured step in k, continued
+            lo, hi = (known[-2], known[-1]) if len(known) > 1 else (known[-1], known[-1])
+            if lo == hi:
+                return ks[hi]
+        return ks[lo] + (ks[hi] - ks[lo]) * (k - lo) / (hi - lo)
+
+    @classmethod
+    def lines(cls, points: Mapping[tuple[int, int], float], source: str = "measured, a line in k per B") -> "StepCosts":
+        """The measured costs smoothed to a least-squares line in k at each batch size (a step costs
+        a verify that grows with k + 1 tokens and k draft forwards: `costmodel` fits the same), so the
+        noise of one short measurement does not make k + 1 look cheaper than k."""
+        by_b: dict[int, list[tuple[int, float]]] = {}
+        for (b, k), c in points.items():
+            if k > 0:
+                by_b.setdefault(b, []).append((k, c))
+        fitted = {}
+        for b, pts in by_b.items():
+            line = Line.fit([k for k, _ in pts], [c for _, c in pts])
+            fitted.update({(b, k): line(k) for k, _ in pts})
+        return cls(fitted, source)
+
+    def __call__(self, batch_size: int, k: int) -> float:
+        bs = list(self._by_b)
+        if batch_size <= bs[0] or batch_size >= bs[-1]:
+            return self._at(bs[0] if batch_size <= bs[0] else bs[-1], k)
+        hi = next(b for b in bs if b >= batch_size)
+        lo = max(b for b in bs if b <= batch_size)
+        if lo == hi:
+            return self._at(lo, k)
+        w = (math.log2(batch_size) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        return (1 - w) * self._at(lo, k) + w * self._at(hi, k)
 
 
 @dataclass

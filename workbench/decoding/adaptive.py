@@ -18,8 +18,9 @@ with one row (or `per_row=True`) they decide per request.
   (`stop_below`); per row, each also verifies only the proposals before its own first such token.
 - `GoodputEMA`: per request, an exponential average of the acceptance at each draft position; k
   maximises the expected tokens per unit of step cost, sum over rows of E_r(k) / cost(B, k), with
-  the step's cost measured on this machine (`StepCosts`) relative to a plain decode at the same
-  batch size (vLLM #47111's per-position EMA goodput rule).
+  cost(B, k) any callable: a step's cost relative to a plain decode at the same batch size, as
+  measured on this machine (`workbench.analysis.costmodel.StepCosts`) (vLLM #47111's per-position
+  EMA goodput rule).
 - `Compose(a, b, ...)`: the smallest k any of them allows.
 
 Every policy works with any draft: it sees only ids, counts and the draft's probabilities.
@@ -27,12 +28,10 @@ Losslessness never depends on it: the verifier judges whatever is proposed.
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from workbench.decoding.stats import Line, expected_accept_length  # Line: the step-cost model's fit; E(k)
+from workbench.decoding.stats import expected_accept_length
 
 
 class KPolicy(Protocol):
@@ -100,68 +99,6 @@ class ConfidenceStop(StaticK):
         return min(len(probs), max(self.min_k, sure))
 
 
-@dataclass
-class StepCosts:
-    """What a step with k proposals costs at batch size B, in plain decodes at that batch size
-    (t_step(B, k) / t_decode(B)), from measured points {(B, k): cost}. Between measured batch sizes
-    the cost is interpolated in log2(B) and held beyond them; past the largest measured k it grows
-    by the last measured step in k (a line, as `costmodel` fits one)."""
-
-    points: Mapping[tuple[int, int], float]
-    source: str = "measured"
-    _by_b: dict = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        by_b: dict[int, dict[int, float]] = {}
-        for (b, k), c in self.points.items():
-            if not (isinstance(b, int) and b >= 1 and isinstance(k, int) and k >= 0 and c > 0 and math.isfinite(c)):
-                raise ValueError(f"StepCosts: point ({b!r}, {k!r}) -> {c!r}; expected batch size >= 1, k >= 0 "
-                                 "and a finite cost > 0")
-            by_b.setdefault(b, {})[k] = float(c)
-        if not by_b:
-            raise ValueError("StepCosts: no points; expected measured {(batch_size, k): cost}")
-        self._by_b = dict(sorted(by_b.items()))
-
-    def _at(self, b: int, k: int) -> float:
-        ks = {0: 1.0, **self._by_b[b]}  # a step with nothing proposed is a plain decode
-        known = sorted(ks)
-        if k in ks:
-            return ks[k]
-        lo = max((x for x in known if x < k), default=known[0])
-        hi = min((x for x in known if x > k), default=None)
-        if hi is None:  # past the largest measured k: the last measured step in k, continued
-            lo, hi = (known[-2], known[-1]) if len(known) > 1 else (known[-1], known[-1])
-            if lo == hi:
-                return ks[hi]
-        return ks[lo] + (ks[hi] - ks[lo]) * (k - lo) / (hi - lo)
-
-    @classmethod
-    def lines(cls, points: Mapping[tuple[int, int], float], source: str = "measured, a line in k per B") -> "StepCosts":
-        """The measured costs smoothed to a least-squares line in k at each batch size (a step costs
-        a verify that grows with k + 1 tokens and k draft forwards: `costmodel` fits the same), so the
-        noise of one short measurement does not make k + 1 look cheaper than k."""
-        by_b: dict[int, list[tuple[int, float]]] = {}
-        for (b, k), c in points.items():
-            if k > 0:
-                by_b.setdefault(b, []).append((k, c))
-        fitted = {}
-        for b, pts in by_b.items():
-            line = Line.fit([k for k, _ in pts], [c for _, c in pts])
-            fitted.update({(b, k): line(k) for k, _ in pts})
-        return cls(fitted, source)
-
-    def __call__(self, batch_size: int, k: int) -> float:
-        bs = list(self._by_b)
-        if batch_size <= bs[0] or batch_size >= bs[-1]:
-            return self._at(bs[0] if batch_size <= bs[0] else bs[-1], k)
-        hi = next(b for b in bs if b >= batch_size)
-        lo = max(b for b in bs if b <= batch_size)
-        if lo == hi:
-            return self._at(lo, k)
-        w = (math.log2(batch_size) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-        return (1 - w) * self._at(lo, k) + w * self._at(hi, k)
-
-
 class GoodputEMA(StaticK):
     """k = argmax over k of sum_r E_r(k) / cost(B, k), E_r from an exponential moving average of
     request r's conditional acceptance at each draft position (`alpha` the newest step's weight):
@@ -170,7 +107,7 @@ class GoodputEMA(StaticK):
     A position the verifier never saw keeps its estimate; when k = 0 is chosen nothing is observed,
     so every estimate drifts back toward `prior` by `alpha` a step and the request probes again."""
 
-    def __init__(self, costs, k_max: int = 8, alpha: float = 0.25, prior: float = 0.7, per_row: bool = False) -> None:
+    def __init__(self, costs: Callable[[int, int], float], k_max: int = 8, alpha: float = 0.25, prior: float = 0.7, per_row: bool = False) -> None:
         for name, value in (("alpha", alpha), ("prior", prior)):
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ValueError(f"GoodputEMA: {name} = {value!r}; expected a number in (0, 1]")

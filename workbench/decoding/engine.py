@@ -67,11 +67,6 @@ class SpecDecoder:
         """What runs a request: the loop and its settings, the drafter, the acceptance rule, the fast path."""
         return {**self.engine.settings(), "acceptance_rule": self.acceptance_rule}
 
-    def cache_rows(self, prompt_len: int, max_new_tokens: int, context: int) -> int:
-        """The verifier cache's rows for a request: room for a last step's k+1 tokens past the
-        budget, within the context (`BatchDecoder.rows_needed`)."""
-        return min(context, prompt_len + max_new_tokens + self.k + 1)
-
     def submit(self, prompt: str | list[int], max_new_tokens: int = 128, stop: str | list[str] | None = None,
                max_len: int | None = None, heal: bool = False) -> int:
         """Queue the request on the engine with this decoder's settings; returns its id. A request still

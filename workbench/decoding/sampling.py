@@ -12,13 +12,12 @@ temperature, top-k, top-p), q the draft's.
   default), so acceptance is p(x) and the residual is p without x's mass.
 - Block verification (Sun et al. 2403.10444): the block's prefixes are judged jointly, so a later
   position can keep a prefix whose last token alone would have been rejected (`BlockAcceptor`).
-Randomness comes from a `Draws` (a generator's, or uniforms a test injects).
+Randomness comes from a `Draws`: a generator's, or one a test gives (uniforms it chose).
 The sweep's timing-only acceptor, which is not lossless, lives with it (`workbench.analysis.synthetic`).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -60,23 +59,6 @@ class GeneratorDraws:
 
     def sample(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self.generator).item())
-
-
-class FixedDraws:
-    """Given uniforms, used in order: a sample is the inverse CDF at the next one, so a test can
-    compute every accept and every recovered token directly (vLLM's tests share noise the same way)."""
-
-    def __init__(self, uniforms: Iterable[float]) -> None:
-        self.uniforms = iter(uniforms)
-        self.used = 0
-
-    def uniform(self) -> float:
-        self.used += 1
-        return float(next(self.uniforms))
-
-    def sample(self, probs: torch.Tensor) -> int:
-        cdf = probs.double().cumsum(0)
-        return int(torch.searchsorted(cdf, self.uniform() * cdf[-1], right=True).clamp(max=probs.shape[0] - 1))
 
 
 def as_draws(source) -> Draws:

@@ -21,8 +21,6 @@ rates; what a step costs is measured and modelled in `workbench.analysis.costmod
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 from workbench.decoding.events import GenerationStats, StepEvent
 
@@ -144,22 +142,3 @@ def expected_accept_length(cond_rates: list[float], k: int) -> float:
         survive *= cond_rates[min(i, len(cond_rates) - 1)]
         total += survive
     return total
-
-
-@dataclass(frozen=True)
-class Line:
-    """y = a + b * x, least squares; b = 0 where fewer than two x were measured."""
-
-    a: float
-    b: float
-
-    @classmethod
-    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> "Line":
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-        return cls(my - b * mx, b)
-
-    def __call__(self, x: float) -> float:
-        return self.a + self.b * x
