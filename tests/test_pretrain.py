@@ -195,7 +195,7 @@ def test_the_verifier_report_card(tmp_path):
     import shutil
 
     from workbench.pair import save_model
-    from workbench.training.verifier_eval import evaluate
+    from workbench.training.verifier_eval import evaluate, held_out_prompts
 
     vdir = tmp_path / "verifier"
     save_model(small_verifier(), vdir)
@@ -205,6 +205,11 @@ def test_the_verifier_report_card(tmp_path):
     assert list(report["bits_per_byte"]) == ["0-256"] and 0 < report["bits_per_byte"]["0-256"] < 20
     loops = report["loops"]
     assert loops["prompts"] == len(loops["rows"]) == 3 and loops["loops"] == sum(r["degenerate"] for r in loops["rows"])
+    assert loops["truth_loops"] == sum(r["truth_degenerate"] for r in loops["rows"])
+    # the reference is the file's own text after the docstring: the prompt and it are one stretch of a file
+    texts = [json.loads(line)["text"] for line in (tmp_path / "corpus" / "eval.jsonl").read_text().splitlines()]
+    for q in held_out_prompts(tmp_path / "corpus", 3):
+        assert q["truth"].startswith("\n") and any(q["prompt"] + q["truth"] in t for t in texts)
     assert len(report["chat"]) == 3 and all(isinstance(c["answer"], str) for c in report["chat"])
     assert not (vdir / "tokens").exists()  # nothing written into the checkpoint
 

@@ -2,7 +2,8 @@
 
 - bits per byte on held-out packages by position (0-256, 256-1,024, 1,024-2,048);
 - the greedy loop rate: continuations of held-out functions cut after their docstrings, 128 new
-  tokens, judged by the workbench's loop rule (`workbench.analysis.degeneracy`);
+  tokens, judged by the workbench's loop rule (`workbench.analysis.degeneracy`), beside the
+  same rule over what each file itself says next (how often real code trips it);
 - a few chat answers, verbatim, through the tokenizer's chat template.
 
     python -m workbench.training.verifier_eval --verifier runs/verifier-v2/final --corpus data/corpus --json
@@ -58,8 +59,10 @@ def held_out_prompts(corpus: Path, limit: int = 48, max_chars: int = 400) -> lis
                 if len(source) < max_chars:
                     # Without the final newline: a prompt that ends in a bare newline token reads as
                     # the end of a file to a byte-level BPE that merges newlines with indentation.
+                    after = doc["text"].index(source) + len(source) - 1
                     per_package.setdefault(doc["package"], []).append(
-                        {"prompt": source[:-1], "source": f"{doc['package']}/{doc['path']}:{lineno}"})
+                        {"prompt": source[:-1], "source": f"{doc['package']}/{doc['path']}:{lineno}",
+                         "truth": doc["text"][after:after + 4000]})  # what the file itself says next
     out: list[dict] = []
     for rank in range(max((len(v) for v in per_package.values()), default=0)):
         for name in sorted(per_package):
@@ -73,12 +76,17 @@ def loop_rate(model: Verifier, tokenizer, prompts: list[dict], new_tokens: int =
 
     rows = []
     for p in prompts:
-        ids = greedy(model, tokenizer.encode(p["prompt"], add_bos=True), new_tokens, model.config.eos_token_id)
+        prompt = tokenizer.encode(p["prompt"], add_bos=True)
+        ids = greedy(model, prompt, new_tokens, model.config.eos_token_id)
         verdict = detect_loop(ids)
+        # the same rule over the file's own next tokens: how often real code "loops" by it
+        truth = detect_loop(tokenizer.encode(p["prompt"] + p["truth"], add_bos=True)[len(prompt):][:new_tokens])
         rows.append({"source": p["source"], "tokens": len(ids), "degenerate": verdict.degenerate,
-                     "repeated_share": round(verdict.share, 3)})
-    loops = sum(r["degenerate"] for r in rows)
-    return {"prompts": len(rows), "loops": loops, "rate": round(loops / max(1, len(rows)), 3), "rows": rows}
+                     "repeated_share": round(verdict.share, 3), "truth_degenerate": truth.degenerate,
+                     "truth_repeated_share": round(truth.share, 3)})
+    loops, truth = sum(r["degenerate"] for r in rows), sum(r["truth_degenerate"] for r in rows)
+    return {"prompts": len(rows), "loops": loops, "rate": round(loops / max(1, len(rows)), 3),
+            "truth_loops": truth, "truth_rate": round(truth / max(1, len(rows)), 3), "rows": rows}
 
 
 def chat_answers(model: Verifier, tokenizer, requests=CHAT_REQUESTS, new_tokens: int = 160) -> list[dict]:
@@ -127,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"bits per byte: {report['bits_per_byte']}")
         lp = report["loops"]
-        print(f"greedy loops at 128 tokens: {lp['loops']} of {lp['prompts']} ({lp['rate']:.0%})")
+        print(f"greedy loops at 128 tokens: {lp['loops']} of {lp['prompts']} ({lp['rate']:.0%}); the held-out "
+              f"files' own next 128 tokens: {lp['truth_loops']} ({lp['truth_rate']:.0%})")
         for c in report["chat"]:
             print(f"--- {c['request']}\n{c['answer']}")
     return 0
