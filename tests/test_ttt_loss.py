@@ -6,6 +6,8 @@ distribution for token t + 1, over the positions that have one, and its accuracy
 whose argmax is the verifier's. Later steps feed the draft's own states back (EAGLE-3's TTT)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -37,3 +39,27 @@ def test_ttt_step_0_is_the_drafts_forward_scored_against_the_verifier(draft_dir)
     assert metrics.accuracy[0] == pytest.approx(float((hits * m).sum() / m.sum()), rel=1e-6)
     assert float(total) == pytest.approx(metrics.losses[0] + STEP_DECAY * metrics.losses[1], rel=1e-5)
     assert len(metrics.losses) == 2 and metrics.losses[1] > 0
+
+
+def test_a_resumed_draft_run_trains_and_continues_its_adamw_moments(tmp_path):
+    """`train-draft --resume`: the draft's weights go on changing, and the fused AdamW takes back each
+    parameter's moments and step count and goes on counting. (An optimizer made before the weights
+    were loaded stepped the replaced parameters: the step stayed at 2 and the draft did not move.)"""
+    from workbench.checkpoint import SafetensorsReader
+    from workbench.training.eagle3 import main
+
+    out = tmp_path / "d"
+    common = ["--out", str(out), "--batch", "1", "--seq", "32", "--ttt-steps", "2", "--eval-every", "1000",
+              "--intermediate-size", "64", "--lr", "0.01", "--warmup", "1"]
+    assert main(common + ["--max-steps", "2", "--save-every", "2"]) == 0
+    first = SafetensorsReader(out / "optimizer")
+    moments, weights = first.get("0.exp_avg").clone(), SafetensorsReader(out).get("fc.weight").clone()
+    assert float(first.get("0.step")[0]) == 2
+    saved = json.loads((out / "trainer_state.json").read_text())
+    saved["state"]["total"] = 4  # as a run of 4 steps cut off after its checkpoint at step 2 would have left it
+    (out / "trainer_state.json").write_text(json.dumps(saved))
+    assert main(common + ["--max-steps", "4", "--save-every", "4", "--resume"]) == 0
+    assert json.loads((out / "trainer_state.json").read_text())["state"]["step"] == 4
+    then = SafetensorsReader(out / "optimizer")
+    assert float(then.get("0.step")[0]) == 4 and not torch.equal(then.get("0.exp_avg"), moments)
+    assert not torch.equal(SafetensorsReader(out).get("fc.weight"), weights)

@@ -247,8 +247,9 @@ def _train(args: PretrainArgs, log, rank: int, world: int) -> dict:
     named = view.trainable()
     decay = [p for n, p in named if p.dim() >= 2]
     no_decay = [p for n, p in named if p.dim() < 2]
+    # fused: one C++ pass over each parameter (foreach's several ops per step took ~3x as long here)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+                            lr=args.lr, betas=(0.9, 0.95), fused=True)
     if args.resume:
         _load_optim_state(opt, named, load_file(str(ckpt / "optimizer.safetensors")))
     rng = random.Random(args.seed)

@@ -41,7 +41,7 @@ def bench_training(batch: int = 2, seq: int = 2048, steps: int = 3, rounds: int 
         else:
             params = list(model.parameters())
             loss = (lambda b, m=model, h=name.endswith("autocast"): _reference_loss(m, b, h))  # noqa: E731
-        arms[name] = (loss, torch.optim.AdamW(params, lr=1e-4))
+        arms[name] = (loss, torch.optim.AdamW(params, lr=1e-4, fused=True))  # as the trainers run it
     rates: dict[str, list[float]] = {n: [] for n in arms}
     for r in range(rounds):
         for name, (loss, opt) in (arms.items() if r % 2 == 0 else reversed(arms.items())):
