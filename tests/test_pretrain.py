@@ -44,6 +44,53 @@ def test_the_training_view_computes_the_reference_logits():
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.95
 
 
+@pytest.mark.parametrize("kernels", ["1", "0"], ids=["cpu-kernel", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_chunked_loss_is_cross_entropy_and_its_gradient(kernels, dtype, monkeypatch):
+    """`LinearCrossEntropy` (chunked, its gradient formed in the forward; on the CPU kernels the
+    loss and gradient of each row are one call) against autograd through F.cross_entropy, over more
+    tokens than a chunk so that a partial chunk is included."""
+    import torch.nn.functional as F
+
+    from workbench.kernels import cpu
+    from workbench.training.train_view import LinearCrossEntropy
+
+    if kernels == "1" and not cpu.available():
+        pytest.skip(f"the CPU kernels do not run here: {cpu.status()}")
+    monkeypatch.setenv("WORKBENCH_TRAIN_KERNELS", kernels)
+    torch.manual_seed(0)
+    n = LinearCrossEntropy.CHUNK + 300
+    h = torch.randn(n, 64).to(dtype).requires_grad_()
+    w = (torch.randn(500, 64) * 0.2).requires_grad_()
+    target = torch.randint(0, 500, (n,))
+    loss = LinearCrossEntropy.apply(h, w, target)
+    loss.backward()
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = F.cross_entropy(F.linear(h2, w2.to(dtype)).float(), target)
+    ref.backward()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: logits and gradients rounded to bf16
+    assert loss.item() == pytest.approx(ref.item(), rel=tol)
+    assert torch.allclose(h.grad.float(), h2.grad.float(), rtol=tol, atol=tol * h2.grad.abs().max().item())
+    assert torch.allclose(w.grad, w2.grad, rtol=tol, atol=tol * w2.grad.abs().max().item())
+
+
+def test_the_cross_entropy_kernel_flags_broken_rows_and_refuses_bad_targets():
+    from workbench.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip(f"the CPU kernels do not run here: {cpu.status()}")
+    logits = torch.randn(3, 40)
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    before = logits.clone()
+    losses = cpu.xent_grad_(logits, torch.tensor([3, 4, 5]), 1.0)
+    assert math.isfinite(losses[0]) and math.isnan(losses[1]) and math.isnan(losses[2])
+    assert torch.equal(logits[2], before[2]) and torch.isnan(logits[1, 7])  # left as they were
+    assert logits[0].sum().abs().item() < 1e-5 and logits[0, 3] < 0  # softmax - onehot sums to 0
+    with pytest.raises(IndexError, match="outside"):
+        cpu.xent_grad_(torch.randn(2, 40), torch.tensor([0, 40]), 1.0)
+
+
 def test_write_back_puts_the_trained_experts_into_the_reference_layout():
     model = small_verifier().train()
     view = TrainVerifier(model, bf16=False)

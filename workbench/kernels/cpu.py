@@ -124,6 +124,7 @@ def _load():
     lib.wb_swiglu.argtypes = [p, p, p, i, i, i, i]
     lib.wb_row_stats.argtypes = [p, lng, i, i, p, p, p, i, i]
     lib.wb_row_stats_at.argtypes = [p, lng, i, i, p, p, p, p, p, i, i]
+    lib.wb_xent_grad.argtypes = [p, lng, i, i, p, f, p, i]
     lib.wb_mla_block.argtypes = [p, p, i, p, p, lng, p, p, p, p]
     lib.wb_ffn_block.argtypes = [p, p, i, p]
     lib.wb_eagle_chain.argtypes = [p, p, i, p, p, p, lng, p, i, f, p, p, p]
@@ -510,6 +511,27 @@ def row_stats(logits: Tensor, lse: bool = True, at: Sequence[int] | None = None)
         raise IndexError(f"row_stats: an index in `at` outside [0, {V})")
     _check(rc, "wb_row_stats_at")
     return list(mx), list(arg), list(out), list(picked)
+
+
+def xent_grad_(logits: Tensor, target: Tensor, scale: float) -> Tensor:
+    """A training loss's cross-entropy and its gradient in one call (`wb_xent_grad`): logits [T, V]
+    (fp32 or bf16, contiguous rows) against target [T]; returns each row's loss (lse - logit at
+    the target) as fp32 [T], and overwrites the logits with (softmax - onehot(target)) * scale in
+    their own dtype. A row with a NaN or no finite value gets loss NaN and keeps its logits."""
+    T, V = logits.shape
+    if logits.stride(-1) != 1 or logits.dtype not in _DTYPES or not logits.is_cpu:
+        raise ValueError(f"xent_grad_: logits {tuple(logits.shape)} {logits.dtype} with strides {logits.stride()}; "
+                         "expected fp32 or bf16 rows on the CPU, each contiguous")
+    target = target.to(torch.long).contiguous()
+    if target.shape != (T,):
+        raise ValueError(f"xent_grad_: target {tuple(target.shape)} for {T} rows; expected one index a row")
+    losses = torch.empty(T, dtype=torch.float32)
+    rc = _lib().wb_xent_grad(logits.data_ptr(), logits.stride(0), T, V, target.data_ptr(), scale, losses.data_ptr(),
+                             _DTYPES[logits.dtype])
+    if rc == -3:
+        raise IndexError(f"xent_grad_: a target outside [0, {V})")
+    _check(rc, "wb_xent_grad")
+    return losses
 
 
 class _MlaPlan(ctypes.Structure):

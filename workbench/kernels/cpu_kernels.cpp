@@ -1398,6 +1398,51 @@ int wb_row_stats_at(const void* logits, long stride, int T, int V, const long* p
 #endif
 }
 
+// A training loss's cross-entropy over each row of logits [T, V] (fp32 or bf16) against target[t],
+// with its gradient in place: loss_out[t] = lse - x[target], and the row becomes
+// (softmax(x) - onehot(target)) * scale in its own dtype (the logits are not needed after).
+// Each row is read three times while it sits in cache (max, sum, gradient). A target outside
+// [0, V) returns -3 before anything is written; a row with a NaN or no finite value gets loss NaN
+// and is left as it was.
+int wb_xent_grad(void* logits, long stride, int T, int V, const long* target, float scale, float* loss_out,
+                 int dtype) {
+#if WB_SIMD
+    for (int t = 0; t < T; ++t)
+        if (target[t] < 0 || target[t] >= V) return -3;
+    for (int t = 0; t < T; ++t) {
+        const size_t row = size_t(t) * stride;
+        V16 mv = set1(-INFINITY);
+        M16 nan = cmp<_CMP_UNORD_Q>(mv, mv);  // none
+        for (int v = 0; v < V; v += 16) {
+            const V16 x = select(lanes(V - v), load16n(logits, dtype, row + v, V - v), set1(-INFINITY));
+            nan = either(nan, cmp<_CMP_UNORD_Q>(x, x));
+            mv = vmax(mv, x);
+        }
+        const float mx = reduce_max(mv);
+        if (bits(nan) || !std::isfinite(mx)) {
+            loss_out[t] = NAN;
+            continue;
+        }
+        V16 sum = zero();
+        for (int v = 0; v < V; v += 16) {
+            const V16 x = load16n(logits, dtype, row + v, V - v);
+            sum = add(sum, select(lanes(V - v), exp_neg(sub(x, set1(mx))), zero()));
+        }
+        const float lse = mx + std::log(reduce_add(sum));
+        const float xt = load(logits, dtype, row + size_t(target[t]));
+        loss_out[t] = lse - xt;
+        for (int v = 0; v < V; v += 16) {
+            const V16 x = load16n(logits, dtype, row + v, V - v);
+            store16n(logits, dtype, row + v, mul(exp_neg(sub(x, set1(lse))), set1(scale)), V - v);
+        }
+        store(logits, dtype, row + size_t(target[t]), (std::exp(xt - lse) - 1.0f) * scale);
+    }
+    return 0;
+#else
+    return -1;
+#endif
+}
+
 // ---- blocks ---------------------------------------------------------------------------------
 // Weights and sizes of one attention or FFN, filled once per module (workbench/kernels/cpu.py).
 struct MlaPlan {

@@ -154,13 +154,29 @@ class TrainVerifier(nn.Module):
         return self.model
 
 
+def _xent_kernel(h: torch.Tensor):
+    """The CPU kernels' fused cross-entropy and gradient (`cpu.xent_grad_`) where they run (CPU
+    tensors in fp32 or bf16, the library loaded, WORKBENCH_TRAIN_KERNELS not 0), else None."""
+    import os
+
+    if not h.is_cpu or h.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if os.environ.get("WORKBENCH_TRAIN_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    from workbench.kernels import cpu
+
+    return cpu.xent_grad_ if cpu.available() else None
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """mean_i CE(h_i W^T, target_i), with the logits made and dropped chunk by chunk.
 
     The plain way stores [tokens, vocab] logits, upcasts them, takes log_softmax and its backward:
     five passes over the largest tensor of the step (8192 x 8192 here). Here each chunk's logits
     are formed once, softmaxed in fp32, turned into their gradient (softmax - onehot) / N at once,
-    and used for both gradients; only h's and W's gradients are kept.
+    and used for both gradients; only h's and W's gradients are kept. Where the CPU kernels run,
+    the softmax, the loss and the gradient are one call that reads each row while it is in cache
+    and writes the gradient over the logits (`cpu.xent_grad_`).
     """
 
     CHUNK = 1024
@@ -172,13 +188,18 @@ class LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32)
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32)
+        kernel = _xent_kernel(h)
         for s in range(0, n, LinearCrossEntropy.CHUNK):
             hs, ts = h[s:s + LinearCrossEntropy.CHUNK], target[s:s + LinearCrossEntropy.CHUNK]
-            logp = torch.log_softmax(F.linear(hs, w), dim=-1, dtype=torch.float32)
-            total -= logp.gather(1, ts[:, None]).sum()
-            g = logp.exp_()
-            g.scatter_add_(1, ts[:, None], torch.full((len(ts), 1), -1.0))
-            g = (g / n).to(h.dtype)
+            if kernel is not None:  # the loss and the gradient in the logits' own buffer, a row at a time
+                g = F.linear(hs, w)
+                total += kernel(g, ts, 1.0 / n).sum()
+            else:
+                logp = torch.log_softmax(F.linear(hs, w), dim=-1, dtype=torch.float32)
+                total -= logp.gather(1, ts[:, None]).sum()
+                g = logp.exp_()
+                g.scatter_add_(1, ts[:, None], torch.full((len(ts), 1), -1.0))
+                g = (g / n).to(h.dtype)
             grad_h[s:s + LinearCrossEntropy.CHUNK] = g @ w
             grad_w += (g.t() @ hs).float()
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
