@@ -4,6 +4,12 @@ A draft is judged on the verifier's own outputs, so it learns most from them: pr
 the training stream are continued by the verifier, batched (one cache, equal prompt lengths,
 no padding), greedily or at a temperature. The trainer still takes its targets online from
 the verifier; only the text changes.
+
+From a built corpus (`regenerate_corpus`, `--corpus`), for drafts that must hold up at long
+context: windows of the train stream at several lengths (up to the verifier's context) and chat
+requests through the template (earlier turns included), each answered by the verifier on the
+engine (`BatchDecoder`, k = 0: rows of any length side by side), greedily or sampled, a chat
+answer ending at the end of its turn.
 """
 from __future__ import annotations
 
@@ -60,6 +66,71 @@ def regenerate(verifier: Verifier, stream: torch.Tensor | list[list[int]], num_s
     return seqs
 
 
+def regenerate_corpus(pair, corpus, sequences: int, lengths: tuple[int, ...] = (256, 1024, 1792),
+                      new_tokens: int = 256, chat_share: float = 0.25, temperatures: tuple[float, ...] = (0.0, 0.7),
+                      seed: int = 0, batch: int = 8, cache=None, log=print) -> list[dict]:
+    """`sequences` records {"ids", "kind", "prompt_tokens", "temperature", "source"}: a `chat_share`
+    of them chat requests from corpus/chat_train.jsonl answered in the template, the rest windows of
+    the train stream (each of `lengths` tokens in turn) continued for `new_tokens`, the temperatures
+    cycled. `pair` is the verifier's (no draft needed); every prompt fits its context with the new
+    tokens. Deterministic for a given seed."""
+    import json
+    from pathlib import Path
+
+    from workbench.decoding.batch import BatchDecoder
+    from workbench.training.token_data import TokenData
+
+    corpus = Path(corpus)
+    if not 0 <= chat_share <= 1:
+        raise ValueError(f"chat_share = {chat_share!r}; expected a fraction in [0, 1]")
+    room = pair.context_length - new_tokens
+    if not lengths or max(lengths) > room or min(lengths) < 1:
+        raise ValueError(f"lengths = {list(lengths)}; expected prompt lengths in [1, {room}] (the context "
+                         f"{pair.context_length} less {new_tokens} new tokens)")
+    rng = random.Random(seed)
+    n_chat = round(sequences * chat_share)
+    jobs: list[tuple[list[int], str, str]] = []  # (prompt ids, kind, source)
+    if n_chat:
+        chats = corpus / "chat_train.jsonl"
+        if not chats.is_file():
+            raise FileNotFoundError(f"{chats}: missing; expected a corpus built by `workbench build-corpus` "
+                                    "(or chat_share 0)")
+        records = [json.loads(line) for line in chats.read_text(encoding="utf-8").splitlines() if line.strip()]
+        for r in rng.sample(records, min(n_chat, len(records))):
+            ids = pair.encode(pair.tokenizer.format_prompt(r["messages"][:-1]))  # the user's turn last
+            if len(ids) <= room:
+                jobs.append((ids, "chat", f"{r['package']}/{r['path']}"))
+    data = None
+    if sequences > len(jobs):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        hf = HFTokenizer.from_file(str(Path(pair.tokenizer.directory) / "tokenizer.json"))
+        data = TokenData.build(corpus, hf, cache=Path(cache or corpus / "tokens"), log=log)
+    for i in range(sequences - len(jobs)):
+        n = lengths[i % len(lengths)]
+        window = data.sample(1, n - 1, rng)[0].tolist()  # n tokens
+        jobs.append((window, "code", f"train stream, {n} tokens"))
+    engine = BatchDecoder(pair, 0, max_batch_size=batch)
+    rids = [engine.submit(ids, max_new_tokens=new_tokens, temperature=temperatures[i % len(temperatures)],
+                          seed=seed * 1_000_003 + i) for i, (ids, _, _) in enumerate(jobs)]
+    out, done = [], 0
+    while not engine.idle:
+        engine.step()
+        if len(engine.finished) - done >= 64:
+            done = len(engine.finished)
+            log(f"regenerated {done}/{len(jobs)} sequences")
+    bos = pair.tokenizer.bos_token_id
+    for i, (rid, (ids, kind, source)) in enumerate(zip(rids, jobs)):
+        res = engine.result(rid)
+        if res.error:
+            raise RuntimeError(f"regenerate_corpus: {source}: {res.error}")
+        if kind == "chat" and ids[:1] == [bos]:  # a document's start: the trainer's stream adds its own BOS
+            ids = ids[1:]
+        out.append({"ids": ids + res.tokens, "kind": kind, "prompt_tokens": len(ids),
+                    "temperature": temperatures[i % len(temperatures)], "source": source})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """python -m workbench.training.regenerate --out runs/regen.jsonl [--verifier DIR] [--sequences N]"""
     import argparse
@@ -82,7 +153,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", default="windows", choices=["windows", "docstrings"],
                     help="random windows of the train split, or its functions cut after their docstrings")
+    ap.add_argument("--corpus", help="a built corpus (workbench build-corpus): windows of its train stream at "
+                                     "--lengths and its chat requests, answered on the engine")
+    ap.add_argument("--lengths", default="256,1024,1792", help="with --corpus: prompt lengths in tokens, cycled")
+    ap.add_argument("--chat-share", type=float, default=0.25, help="with --corpus: the share of chat requests")
+    ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
+    if a.corpus:
+        from workbench.pair import load_pair
+
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        pair = load_pair(a.verifier, dtype="bfloat16")
+        records = regenerate_corpus(pair, a.corpus, a.sequences, tuple(int(x) for x in a.lengths.split(",")),
+                                    a.new_tokens, a.chat_share, tuple(float(t) for t in a.temperatures.split(",")),
+                                    a.seed, a.batch, log=lambda s: print(s, file=sys.stderr))
+        with open(a.out, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        return 0
     verifier = load_verifier(a.verifier, dtype="float32")
     tok = Tokenizer.from_dir(a.verifier)
     if a.prompts == "docstrings":
