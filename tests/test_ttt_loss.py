@@ -7,6 +7,7 @@ whose argmax is the verifier's. Later steps feed the draft's own states back (EA
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -63,3 +64,52 @@ def test_a_resumed_draft_run_trains_and_continues_its_adamw_moments(tmp_path):
     then = SafetensorsReader(out / "optimizer")
     assert float(then.get("0.step")[0]) == 4 and not torch.equal(then.get("0.exp_avg"), moments)
     assert not torch.equal(SafetensorsReader(out).get("fc.weight"), weights)
+
+
+@pytest.mark.parametrize("draft_dir", [None, "draft-mha"], ids=["mla-reduced-vocab", "mha"])
+def test_the_kernel_loss_equals_the_torch_loss(draft_dir, monkeypatch):
+    """The TTT loss on the CPU kernels (`SoftCrossEntropy`: loss, gradient and argmaxes in one call a
+    row) against torch's log_softmax, clamp and product: the same losses, accuracies and gradients,
+    with a masked prompt and the embedded draft's reduced vocabulary (-inf logits outside it)."""
+    from workbench.kernels import cpu
+    from workbench.training.eagle3 import trainable_parameters
+
+    if not cpu.available():
+        pytest.skip(f"the CPU kernels do not run here: {cpu.status()}")
+    pair = wb.load_pair(dtype="float32", fast="off")
+    if draft_dir:
+        pair = pair.with_draft(str(EMBEDDED / draft_dir))
+    v, d = pair.verifier, pair.draft
+    ids = torch.tensor([pair.encode("def mean(xs):\n    return sum(xs) / len(xs)\n\nclass Point:\n    x: int\n" * 2)] * 2)
+    valid = torch.ones(ids.shape)
+    valid[0, :5] = 0
+    params = trainable_parameters(d)
+    got = {}
+    for kernels in ("1", "0"):
+        monkeypatch.setenv("WORKBENCH_TRAIN_KERNELS", kernels)
+        for p in params:
+            p.grad = None
+        total, metrics = ttt_loss(d, v, ids, ttt_steps=3, loss_mask=valid)
+        total.backward()
+        got[kernels] = (total.item(), metrics.losses, metrics.accuracy, [p.grad.clone() for p in params])
+    (t1, l1, a1, g1), (t0, l0, a0, g0) = got["1"], got["0"]
+    assert t1 == pytest.approx(t0, rel=1e-6) and l1 == pytest.approx(l0, rel=1e-6) and a1 == a0
+    for x, y in zip(g1, g0):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6 * y.abs().max().item())
+
+
+def test_the_soft_cross_entropy_kernel_zeroes_a_broken_rows_gradient():
+    from workbench.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip(f"the CPU kernels do not run here: {cpu.status()}")
+    logits = torch.randn(3, 50)
+    logits[1, 3] = float("nan")
+    logits[2, 10:] = float("-inf")  # a reduced vocabulary: finite, with -inf outside
+    target = torch.softmax(torch.randn(3, 50), -1)
+    losses, grad, top = cpu.soft_xent_grad(logits, target, torch.tensor([1.0, 1.0, 0.5]))
+    assert math.isnan(losses[1]) and torch.equal(grad[1], torch.zeros(50))
+    want = -(target[2] * logits[2].log_softmax(-1).clamp_min(-1e4)).sum()
+    assert losses[2].item() == pytest.approx(want.item(), rel=1e-6)
+    assert torch.equal(grad[2, 10:], torch.zeros(40)) and top.tolist()[::2] == [int(logits[0].argmax()),
+                                                                               int(logits[2].argmax())]

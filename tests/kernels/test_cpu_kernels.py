@@ -121,6 +121,8 @@ def kernel_outputs(pair, seed: int = 0) -> list:
     outs += [torch.tensor(v) for v in cpu.row_stats(rand(4, 1000, scale=3))]
     logits = rand(4, 1000, scale=3)  # the training loss's cross-entropy: losses, and the gradient in place
     outs += [cpu.xent_grad_(logits, torch.tensor([0, 5, 999, 500]), 0.25), logits]
+    target = torch.softmax(torch.randn(4, 1000, generator=gen), -1)  # the draft's TTT loss (fp32 only)
+    outs += list(cpu.soft_xent_grad(logits.float() * 2, target, torch.tensor([1.0, 0.5, 0.0, 2.0])))
     router = pair.verifier.model.layers[-1].mlp.gate
     outs.append(cpu.moe_route(rand(6, router.weight.shape[1]), router, extra=1))
     v, d = pair.verifier, pair.draft

@@ -125,6 +125,7 @@ def _load():
     lib.wb_row_stats.argtypes = [p, lng, i, i, p, p, p, i, i]
     lib.wb_row_stats_at.argtypes = [p, lng, i, i, p, p, p, p, p, i, i]
     lib.wb_xent_grad.argtypes = [p, lng, i, i, p, f, p, i]
+    lib.wb_soft_xent_grad.argtypes = [p, lng, i, i, p, lng, p, p, p, p]
     lib.wb_mla_block.argtypes = [p, p, i, p, p, lng, p, p, p, p]
     lib.wb_ffn_block.argtypes = [p, p, i, p]
     lib.wb_eagle_chain.argtypes = [p, p, i, p, p, p, lng, p, i, f, p, p, p]
@@ -532,6 +533,28 @@ def xent_grad_(logits: Tensor, target: Tensor, scale: float) -> Tensor:
         raise IndexError(f"xent_grad_: a target outside [0, {V})")
     _check(rc, "wb_xent_grad")
     return losses
+
+
+def soft_xent_grad(logits: Tensor, target: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The draft's TTT loss per row in one call (`wb_soft_xent_grad`): fp32 logits [T, V] against
+    target probabilities [T, V], log-softmax clamped at -1e4 (as `training.eagle3` clamps it).
+    Returns (each row's loss [T], the gradient of sum_t weights[t] * loss_t [T, V], each row's argmax
+    [T]). A row with a NaN or no finite value gets loss NaN and a zero gradient."""
+    T, V = logits.shape
+    logits = logits.contiguous()  # the gradient's rows take the logits' stride
+    for name, t in (("logits", logits), ("target", target)):
+        if t.dtype != torch.float32 or not t.is_cpu or t.stride(-1) != 1 or t.shape != (T, V):
+            raise ValueError(f"soft_xent_grad: {name} {tuple(t.shape)} {t.dtype} with strides {t.stride()}; "
+                             f"expected fp32 [{T}, {V}] on the CPU, rows contiguous")
+    weights = weights.to(torch.float32).contiguous()
+    if weights.shape != (T,):
+        raise ValueError(f"soft_xent_grad: weights {tuple(weights.shape)} for {T} rows; expected one a row")
+    grad = torch.empty(T, V, dtype=torch.float32)
+    losses, args = torch.empty(T, dtype=torch.float32), torch.empty(T, dtype=torch.long)
+    _check(_lib().wb_soft_xent_grad(logits.data_ptr(), logits.stride(0), T, V, target.data_ptr(), target.stride(0),
+                                    weights.data_ptr(), grad.data_ptr(), losses.data_ptr(), args.data_ptr()),
+           "wb_soft_xent_grad")
+    return losses, grad, args
 
 
 class _MlaPlan(ctypes.Structure):

@@ -1443,6 +1443,64 @@ int wb_xent_grad(void* logits, long stride, int T, int V, const long* target, fl
 #endif
 }
 
+// The draft's training loss against the verifier's distribution: for each fp32 row x of logits
+// [T, V] and target probabilities p (rows of p_stride), with log-softmax clamped at -1e4 as the
+// reference clamps it (-inf logits outside a reduced draft vocabulary):
+//   loss_out[t] = sum_v -p_v clamp(x_v - lse, -1e4),   arg_out[t] = the first index of x's max,
+//   grad[t, v]  = w[t] (softmax_v * P - p_v [x_v - lse >= -1e4]),  P = the p of the unclamped v,
+// the gradient of w[t] * loss written to grad (rows of the logits' stride). A row with a NaN or no
+// finite value gets loss NaN and a zero gradient.
+int wb_soft_xent_grad(const float* logits, long stride, int T, int V, const float* p, long p_stride, const float* w,
+                      float* grad, float* loss_out, long* arg_out) {
+#if WB_SIMD
+    const float floor = -1e4f;
+    for (int t = 0; t < T; ++t) {
+        const float* x = logits + size_t(t) * stride;
+        const float* q = p + size_t(t) * p_stride;
+        float* g = grad + size_t(t) * stride;
+        V16 mv = set1(-INFINITY);
+        M16 nan = cmp<_CMP_UNORD_Q>(mv, mv);  // none
+        for (int v = 0; v < V; v += 16) {
+            const V16 xv = select(lanes(V - v), load16n(x, 0, v, V - v), set1(-INFINITY));
+            nan = either(nan, cmp<_CMP_UNORD_Q>(xv, xv));
+            mv = vmax(mv, xv);
+        }
+        const float mx = reduce_max(mv);
+        if (bits(nan) || !std::isfinite(mx)) {
+            loss_out[t] = NAN, arg_out[t] = 0;
+            for (int v = 0; v < V; v += 16) store16n(g, 0, v, zero(), V - v);
+            continue;
+        }
+        long arg = 0;
+        for (int v = 0; v < V; v += 16) {  // the first lane equal to the max
+            const unsigned eq = bits(both(lanes(V - v), cmp<_CMP_EQ_OQ>(load16n(x, 0, v, V - v), set1(mx))));
+            if (eq) { arg = v + __builtin_ctz(eq); break; }
+        }
+        V16 sum = zero();
+        for (int v = 0; v < V; v += 16)
+            sum = add(sum, select(lanes(V - v), exp_neg(sub(load16n(x, 0, v, V - v), set1(mx))), zero()));
+        const float lse = mx + std::log(reduce_add(sum));
+        V16 loss = zero(), kept = zero();
+        for (int v = 0; v < V; v += 16) {
+            const V16 d = sub(load16n(x, 0, v, V - v), set1(lse));
+            const V16 pv = select(lanes(V - v), load16n(q, 0, v, V - v), zero());
+            loss = fnma(pv, vmax(d, set1(floor)), loss);  // -inf (and below the floor) -> the floor
+            kept = add(kept, select(cmp<_CMP_GE_OQ>(d, set1(floor)), pv, zero()));  // clamp_min's gradient mask
+        }
+        const float P = reduce_add(kept), wt = w[t];
+        for (int v = 0; v < V; v += 16) {
+            const V16 d = sub(load16n(x, 0, v, V - v), set1(lse));
+            const V16 own = select(cmp<_CMP_GE_OQ>(d, set1(floor)), load16n(q, 0, v, V - v), zero());
+            store16n(g, 0, v, mul(set1(wt), sub(mul(set1(P), exp_neg(d)), own)), V - v);
+        }
+        loss_out[t] = reduce_add(loss), arg_out[t] = arg;
+    }
+    return 0;
+#else
+    return -1;
+#endif
+}
+
 // ---- blocks ---------------------------------------------------------------------------------
 // Weights and sizes of one attention or FFN, filled once per module (workbench/kernels/cpu.py).
 struct MlaPlan {

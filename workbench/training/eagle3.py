@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from workbench.models import Eagle3Draft, Verifier
 from workbench.models.mla import MLAttention
+from workbench.training.train_view import train_kernels
 
 STEP_DECAY = 0.8
 
@@ -87,6 +88,7 @@ def ttt_loss(draft: Eagle3Draft, verifier: Verifier, ids: torch.Tensor, ttt_step
         target_ids = target.argmax(-1)  # [B, S]: its greedy token (the accuracy's reference)
         aux = tuple(a.to(draft.fc.weight.dtype) for a in out.aux_hidden_states)
     valid = torch.ones(B, S, device=ids.device) if loss_mask is None else loss_mask.float()
+    kernels = train_kernels(target)
     h = draft.combine_hidden_states(aux)
     embed, lm_head = draft.part("embed_tokens"), draft.part("lm_head")
     layer = draft.layers[0]
@@ -102,15 +104,42 @@ def ttt_loss(draft: Eagle3Draft, verifier: Verifier, ids: torch.Tensor, ttt_step
         n = S - i - 1
         logits = draft.compute_logits(post[:, :n]).float()
         mask = valid[:, i + 1:]
-        ce = -(target[:, i + 1:] * logits.log_softmax(-1).clamp_min(-1e4)).sum(-1)  # -inf outside the draft vocab
         denom = mask.sum().clamp_min(1)
-        loss_i = (ce * mask).sum() / denom
+        if kernels is not None:  # the loss, its gradient and the argmaxes of each row in one call
+            V = logits.shape[-1]
+            loss_i, top = SoftCrossEntropy.apply(logits.reshape(-1, V), target[:, i + 1:].reshape(-1, V),
+                                                 (mask / denom).reshape(-1))
+            top = top.view(B, n)
+        else:
+            ce = -(target[:, i + 1:] * logits.log_softmax(-1).clamp_min(-1e4)).sum(-1)  # -inf outside the draft vocab
+            loss_i, top = (ce * mask).sum() / denom, logits.argmax(-1)
         total = total + STEP_DECAY ** i * loss_i
         losses.append(float(loss_i.detach()))
-        accs.append(float(((logits.argmax(-1) == target_ids[:, i + 1:]).float() * mask).sum() / denom))
+        accs.append(float(((top == target_ids[:, i + 1:]).float() * mask).sum() / denom))
         h = post if draft.norm_output else pre  # what inference feeds back (EAGLE-3.1: the post-norm state)
         step_ids = shift_left(step_ids)
     return total, StepMetrics(float(total.detach()), losses, accs)
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """sum_t w_t * -sum_v p_tv clamp(log_softmax(x_t)_v, -1e4) over fp32 logits [T, V], target
+    probabilities [T, V] and row weights [T], with the rows' argmaxes: one call of the CPU kernels
+    (`cpu.soft_xent_grad`) reads each row while it is in cache and forms the gradient at once,
+    where log_softmax, the clamp, the product and their backward made a pass over [T, V] each."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, weights: torch.Tensor):
+        from workbench.kernels import cpu
+
+        losses, grad, top = cpu.soft_xent_grad(logits, target, weights)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(top)
+        return (losses * weights).sum(), top
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor, _):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_out, None, None
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.05) -> float:

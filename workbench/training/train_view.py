@@ -154,18 +154,19 @@ class TrainVerifier(nn.Module):
         return self.model
 
 
-def _xent_kernel(h: torch.Tensor):
-    """The CPU kernels' fused cross-entropy and gradient (`cpu.xent_grad_`) where they run (CPU
-    tensors in fp32 or bf16, the library loaded, WORKBENCH_TRAIN_KERNELS not 0), else None."""
+def train_kernels(x: torch.Tensor):
+    """The CPU kernels (`workbench.kernels.cpu`) for a training loss over `x` where they run (a CPU
+    tensor in fp32 or bf16, the library loaded, WORKBENCH_TRAIN_KERNELS not 0), else None: the
+    losses then take torch's operations."""
     import os
 
-    if not h.is_cpu or h.dtype not in (torch.float32, torch.bfloat16):
+    if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     if os.environ.get("WORKBENCH_TRAIN_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
         return None
     from workbench.kernels import cpu
 
-    return cpu.xent_grad_ if cpu.available() else None
+    return cpu if cpu.available() else None
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -188,7 +189,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32)
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32)
-        kernel = _xent_kernel(h)
+        kernel = getattr(train_kernels(h), "xent_grad_", None)
         for s in range(0, n, LinearCrossEntropy.CHUNK):
             hs, ts = h[s:s + LinearCrossEntropy.CHUNK], target[s:s + LinearCrossEntropy.CHUNK]
             if kernel is not None:  # the loss and the gradient in the logits' own buffer, a row at a time
