@@ -227,13 +227,21 @@ def test_a_corpus_without_its_files_is_refused_by_name(tmp_path):
 
 
 def test_the_training_speed_bench_runs_every_arm_side_by_side():
-    from workbench.training.train_bench import bench_training
+    import os
 
+    from workbench.training.train_bench import bench_draft_training, bench_training
+
+    before = os.environ.get("WORKBENCH_TRAIN_KERNELS")
     out = bench_training(batch=1, seq=32, steps=1, rounds=2)
-    assert set(out["tokens_per_s"]) == {"reference fp32", "reference bf16 autocast", "view fp32", "view bf16"}
+    assert set(out["tokens_per_s"]) == {"reference fp32", "reference bf16 autocast", "view fp32", "view bf16",
+                                        "view bf16, torch loss"}
     assert all(v > 0 for v in out["tokens_per_s"].values())
     assert all(lo <= out["tokens_per_s"][n] <= hi for n, (lo, hi) in out["spread"].items())
     assert set(out["view_bf16_over_reference"]) == {"reference fp32", "reference bf16 autocast"}
+    assert out["kernel_loss_over_torch_loss"] > 0
+    draft = bench_draft_training(seq=32, steps=1, rounds=2, ttt_steps=2)
+    assert set(draft["tokens_per_s"]) == {"kernel loss", "torch loss"} and draft["kernel_over_torch"] > 0
+    assert os.environ.get("WORKBENCH_TRAIN_KERNELS") == before  # each arm's setting is put back
 
 
 def test_the_verifier_report_card(tmp_path):
