@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import workbench as wb
+from tests.helpers import EMBEDDED
 from workbench.analysis.context import context_sweep, load_documents
 from workbench.analysis.protocol import Timing
 from workbench.models.mla import attend_heads, causal_mask
@@ -90,6 +91,39 @@ def test_the_cli_prints_the_report_as_json():
     res = json.loads(out.stdout)
     assert [p["prompt_tokens"] for p in res["points"]] == [40, 90] and res["documents"] == 1
     assert res["points"][0]["identical"] == 1 and list(res["retained"]) == ["0.0"] and res["pair"]
+
+
+def test_drafts_of_one_verifier_are_measured_side_by_side(pair):
+    """`context_compare`: the MLA draft and its MHA twin on the same cuts, plain decoding once. Each
+    draft's figures are what it gives alone, and the plain figures are shared."""
+    from workbench.analysis.context import context_compare
+
+    docs = [d["text"] for d in load_documents()[:2]]
+    mha = pair.with_draft(str(EMBEDDED / "draft-mha"))
+    kw = dict(lengths=(48, 200), k=3, temperatures=(0.0,), new_tokens=12)
+    both = context_compare({"mla": pair, "mha": mha}, docs, **kw)
+    assert list(both) == ["mla", "mha"]
+    alone = context_sweep(mha, docs, **kw)
+    for a, b in zip(both["mha"].points, alone.points):  # greedy: the same tokens, so the same accept lengths
+        assert (a.accept_length, a.loops, a.identical) == (b.accept_length, b.loops, b.identical)
+    assert both["mla"].kv_bytes_per_token["draft"] < both["mha"].kv_bytes_per_token["draft"]  # MLA's smaller cache
+    assert all(p.identical == 2 for r in both.values() for p in r.points)  # greedy stays lossless for both
+    other = wb.load_pair(str(EMBEDDED.parent / "tiny-kimi-v2" / "verifier"), no_draft=True)
+    with pytest.raises(ValueError, match="no draft"):
+        context_compare({"mla": pair, "none": other}, docs, **kw)
+
+
+def test_the_cli_compares_drafts_by_name():
+    out = subprocess.run([sys.executable, "-m", "workbench.cli", "context", "--limit", "1", "--lengths", "40",
+                          "--new-tokens", "6", "--temperatures", "0", "--vs-draft",
+                          f"mha={EMBEDDED / 'draft-mha'}", "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout)["drafts"]
+    assert list(res) == ["draft", "mha"] and all(r["points"][0]["identical"] == 1 for r in res.values())
+    bad = subprocess.run([sys.executable, "-m", "workbench.cli", "context", "--vs-draft", "nameless"],
+                         capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert bad.returncode != 0 and "expected NAME=DIR" in bad.stderr
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

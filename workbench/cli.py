@@ -330,20 +330,33 @@ def cmd_pd(args) -> int:
 
 
 def cmd_context(args) -> int:
-    from workbench.analysis.context import context_sweep, load_documents
+    from workbench.analysis.context import context_compare, load_documents
 
     docs = load_documents(args.documents)[: args.limit or None]
+    others = {}
+    for spec in args.vs_draft or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or name == "draft":
+            raise SystemExit(f"--vs-draft {spec!r}: expected NAME=DIR (a name other than 'draft')")
+        others[name] = path
     pair = _load(args)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    report = context_sweep(pair, [d["text"] for d in docs], lengths=_numbers("--lengths", args.lengths, int),
-                           k=args.k, temperatures=_numbers("--temperatures", args.temperatures, float),
-                           new_tokens=args.new_tokens, seed=args.seed,
-                           progress=None if args.json else lambda line: print(line, file=sys.stderr))
-    out = report.to_dict() | {"pair": pair.status()}
-    print(json.dumps(out) if args.json else report.summary())
+    pairs = {"draft": pair, **{name: pair.with_draft(path) for name, path in others.items()}}
+    reports = context_compare(pairs, [d["text"] for d in docs], lengths=_numbers("--lengths", args.lengths, int),
+                              k=args.k, temperatures=_numbers("--temperatures", args.temperatures, float),
+                              new_tokens=args.new_tokens, seed=args.seed,
+                              progress=None if args.json else lambda line: print(line, file=sys.stderr))
+    if not others:
+        out = reports["draft"].to_dict() | {"pair": pair.status()}
+        print(json.dumps(out) if args.json else reports["draft"].summary())
+        return 0
+    if args.json:
+        print(json.dumps({"drafts": {n: r.to_dict() | {"path": pairs[n].status()} for n, r in reports.items()}}))
+    else:
+        print("\n\n".join(f"== {n} ({pairs[n].draft_dir or 'draft'})\n{r.summary()}" for n, r in reports.items()))
     return 0
 
 
@@ -555,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSONL of long documents ({\"text\": ...}), each cut at every --lengths")
     p.add_argument("--limit", type=int, default=0, help="first N documents only (0: all)")
     p.add_argument("--lengths", default="192,448,960,1920", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--vs-draft", action="append", metavar="NAME=DIR",
+                   help="another draft of the verifier, measured side by side with --draft (repeatable)")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--new-tokens", type=int, default=64)

@@ -117,44 +117,71 @@ def context_sweep(pair, documents: Sequence[str], lengths: Sequence[int] = DEFAU
                   temperatures: Sequence[float] = (0.0, 0.7), new_tokens: int = 64, seed: int = 0,
                   progress: Callable[[str], None] | None = None) -> ContextReport:
     """Accept length, step time and speedup with the prompt cut at each of `lengths` tokens."""
-    if pair.draft is None:
-        raise ValueError("context_sweep: the pair has no draft; expected a pair with an EAGLE-3 draft")
+    return context_compare({"draft": pair}, documents, lengths, k, temperatures, new_tokens, seed, progress)["draft"]
+
+
+def context_compare(pairs: dict, documents: Sequence[str], lengths: Sequence[int] = DEFAULT_LENGTHS, k: int = 3,
+                    temperatures: Sequence[float] = (0.0, 0.7), new_tokens: int = 64, seed: int = 0,
+                    progress: Callable[[str], None] | None = None) -> dict[str, ContextReport]:
+    """`context_sweep` for several drafts of one verifier (`pairs`: name -> pair), side by side: each
+    cut's requests run every draft back to back (a busy machine slows them alike), and plain
+    decoding, once, on the first pair. A report per name."""
+    first = next(iter(pairs.values()), None)
+    if first is None:
+        raise ValueError("context_compare: no pairs; expected at least one pair with an EAGLE-3 draft")
+    for name, p in pairs.items():
+        if p.draft is None:
+            raise ValueError(f"context_sweep: the pair {name!r} has no draft; expected a pair with an EAGLE-3 draft")
+        if p.verifier_dir != first.verifier_dir:
+            raise ValueError(f"context_compare: the pair {name!r} has the verifier {p.verifier_dir}, not "
+                             f"{first.verifier_dir}; expected drafts of one verifier")
     lengths = sorted({int(n) for n in lengths})
-    if not lengths or lengths[0] < 2 or lengths[-1] + new_tokens > pair.context_length:
+    if not lengths or lengths[0] < 2 or lengths[-1] + new_tokens > first.context_length:
         raise ValueError(f"lengths = {lengths}; expected prompt lengths from 2 with the longest + {new_tokens} new "
-                         f"tokens within the pair's context of {pair.context_length}")
-    ids = [pair.encode(text) for text in documents]
+                         f"tokens within the pair's context of {first.context_length}")
+    ids = [first.encode(text) for text in documents]
     short = [i for i, d in enumerate(ids) if len(d) < lengths[-1]]
     if short:
         raise ValueError(f"documents {short} have fewer than {lengths[-1]} tokens; expected every document to "
                          f"reach the longest length (or pass shorter --lengths)")
-    report = ContextReport(k, new_tokens, len(documents))
+    reports = {name: ContextReport(k, new_tokens, len(documents)) for name in pairs}
     for L in lengths:
         cuts = [d[:L] for d in ids]
         for t in temperatures:
-            spec, plain = [], []
+            spec: dict[str, list] = {name: [] for name in pairs}
+            plain = []
             for n, cut in enumerate(cuts):
-                spec.append(SpecDecoder(pair, k, temperature=t, seed=seed + n, fused=False).generate(cut, new_tokens))
+                for name, p in pairs.items():
+                    spec[name].append(SpecDecoder(p, k, temperature=t, seed=seed + n, fused=False).generate(cut, new_tokens))
                 if t == 0:
-                    plain.append(generate_autoregressive(pair, cut, new_tokens))
-            split = accept_split([r.events for r in spec])
-            steps = [r for r in spec if r.stats.num_drafts]
-            point = ContextPoint(
-                prompt_tokens=L, bucket=bucket_of(L + new_tokens - 1), temperature=t, requests=len(spec),
-                loops=split.num_degenerate, accept_length_clean=split.clean, accept_length=split.pooled,
-                accept_length_per_request=split.per_request,
-                draft_ms_per_step=median(1e3 * r.stats.draft_time / r.stats.num_drafts for r in steps) if steps else 0.0,
-                step_ms=median(1e3 * (r.stats.elapsed - r.stats.prefill_time) / r.stats.num_drafts for r in steps)
-                if steps else 0.0,
-                tokens_per_s=_decode_rate(spec))
-            if plain:
-                point.plain_tokens_per_s = _decode_rate(plain)
-                point.speedup = point.tokens_per_s / point.plain_tokens_per_s if point.plain_tokens_per_s else None
-                point.identical = sum(s.tokens == p.tokens for s, p in zip(spec, plain))
-            report.points.append(point)
-            if progress:
-                progress(f"{L} tokens, T = {t}: clean accept {point.accept_length_clean}")
-    nb = pair.verifier.dtype.itemsize
-    report.kv_bytes_per_token = {"verifier": bytes_per_token(pair.verifier.config, nb),
-                                 "draft": bytes_per_token(pair.draft.config, nb)}
-    return report
+                    plain.append(generate_autoregressive(first, cut, new_tokens))
+            for name in pairs:
+                point = _point(L, t, spec[name], plain, new_tokens)
+                reports[name].points.append(point)
+                if progress:
+                    label = f"{name}: " if len(pairs) > 1 else ""
+                    progress(f"{label}{L} tokens, T = {t}: clean accept {point.accept_length_clean}")
+    for name, p in pairs.items():
+        nb = p.verifier.dtype.itemsize
+        reports[name].kv_bytes_per_token = {"verifier": bytes_per_token(p.verifier.config, nb),
+                                            "draft": bytes_per_token(p.draft.config, nb)}
+    return reports
+
+
+def _point(L: int, t: float, spec: list, plain: list, new_tokens: int) -> ContextPoint:
+    """One cut length and temperature: the speculative requests' figures, against plain decoding's."""
+    split = accept_split([r.events for r in spec])
+    steps = [r for r in spec if r.stats.num_drafts]
+    point = ContextPoint(
+        prompt_tokens=L, bucket=bucket_of(L + new_tokens - 1), temperature=t, requests=len(spec),
+        loops=split.num_degenerate, accept_length_clean=split.clean, accept_length=split.pooled,
+        accept_length_per_request=split.per_request,
+        draft_ms_per_step=median(1e3 * r.stats.draft_time / r.stats.num_drafts for r in steps) if steps else 0.0,
+        step_ms=median(1e3 * (r.stats.elapsed - r.stats.prefill_time) / r.stats.num_drafts for r in steps)
+        if steps else 0.0,
+        tokens_per_s=_decode_rate(spec))
+    if plain:
+        point.plain_tokens_per_s = _decode_rate(plain)
+        point.speedup = point.tokens_per_s / point.plain_tokens_per_s if point.plain_tokens_per_s else None
+        point.identical = sum(s.tokens == p.tokens for s, p in zip(spec, plain))
+    return point
