@@ -1341,6 +1341,39 @@ int wb_swiglu(const void* h, const float* weight, void* out, int T, int G, int I
 #endif
 }
 
+// ---- rows of logits -------------------------------------------------------------------------------
+#if WB_SIMD
+// The max of a row's V values, and (nan) whether one of them is NaN.
+inline float row_max(const void* x, int dtype, size_t row, int V, bool* nan) {
+    V16 mv = set1(-INFINITY);
+    M16 any = cmp<_CMP_UNORD_Q>(mv, mv);  // none
+    for (int v = 0; v < V; v += 16) {
+        const V16 xv = select(lanes(V - v), load16n(x, dtype, row + v, V - v), set1(-INFINITY));
+        any = either(any, cmp<_CMP_UNORD_Q>(xv, xv));
+        mv = vmax(mv, xv);
+    }
+    *nan = bits(any) != 0;
+    return reduce_max(mv);
+}
+
+// The first index of a row holding mx (ATen's argmax rule).
+inline long row_argmax(const void* x, int dtype, size_t row, int V, float mx) {
+    for (int v = 0; v < V; v += 16) {
+        const unsigned eq = bits(both(lanes(V - v), cmp<_CMP_EQ_OQ>(load16n(x, dtype, row + v, V - v), set1(mx))));
+        if (eq) return v + __builtin_ctz(eq);
+    }
+    return 0;
+}
+
+// log(sum(exp(x - mx))) + mx over a row whose max mx is finite.
+inline float row_lse(const void* x, int dtype, size_t row, int V, float mx) {
+    V16 sum = zero();
+    for (int v = 0; v < V; v += 16)
+        sum = add(sum, select(lanes(V - v), exp_neg(sub(load16n(x, dtype, row + v, V - v), set1(mx))), zero()));
+    return mx + std::log(reduce_add(sum));
+}
+#endif
+
 // For each row of logits [T, V]: its max, the first index holding it, and (with_lse) log(sum(exp(x -
 // max))) + max, in fp32. A row with a NaN gets max NaN (and argmax 0); +inf gives +inf; all -inf gives -inf.
 int wb_row_stats(const void* logits, long stride, int T, int V, float* mx_out, long* arg_out, float* lse_out,
@@ -1348,34 +1381,13 @@ int wb_row_stats(const void* logits, long stride, int T, int V, float* mx_out, l
 #if WB_SIMD
     for (int t = 0; t < T; ++t) {
         const size_t row = size_t(t) * stride;
-        V16 mv = set1(-INFINITY);
-        M16 nan = cmp<_CMP_UNORD_Q>(mv, mv);  // none
-        for (int v = 0; v < V; v += 16) {
-            const V16 x = select(lanes(V - v), load16n(logits, dtype, row + v, V - v), set1(-INFINITY));
-            nan = either(nan, cmp<_CMP_UNORD_Q>(x, x));
-            mv = vmax(mv, x);
-        }
-        float mx = reduce_max(mv);
+        bool nan;
+        float mx = row_max(logits, dtype, row, V, &nan);
         long arg = 0;
-        if (bits(nan)) {
-            mx = NAN;
-        } else {
-            for (int v = 0; v < V; v += 16) {  // the first lane equal to the max
-                const unsigned eq =
-                    bits(both(lanes(V - v), cmp<_CMP_EQ_OQ>(load16n(logits, dtype, row + v, V - v), set1(mx))));
-                if (eq) { arg = v + __builtin_ctz(eq); break; }
-            }
-        }
-        float lse = mx;
-        if (with_lse && std::isfinite(mx)) {
-            V16 sum = zero();
-            for (int v = 0; v < V; v += 16) {
-                const V16 x = load16n(logits, dtype, row + v, V - v);
-                sum = add(sum, select(lanes(V - v), exp_neg(sub(x, set1(mx))), zero()));
-            }
-            lse = mx + std::log(reduce_add(sum));
-        }
-        mx_out[t] = mx, arg_out[t] = arg, lse_out[t] = lse;
+        if (nan) mx = NAN;
+        else arg = row_argmax(logits, dtype, row, V, mx);
+        mx_out[t] = mx, arg_out[t] = arg;
+        lse_out[t] = with_lse && std::isfinite(mx) ? row_lse(logits, dtype, row, V, mx) : mx;
     }
     return 0;
 #else
@@ -1411,24 +1423,13 @@ int wb_xent_grad(void* logits, long stride, int T, int V, const long* target, fl
         if (target[t] < 0 || target[t] >= V) return -3;
     for (int t = 0; t < T; ++t) {
         const size_t row = size_t(t) * stride;
-        V16 mv = set1(-INFINITY);
-        M16 nan = cmp<_CMP_UNORD_Q>(mv, mv);  // none
-        for (int v = 0; v < V; v += 16) {
-            const V16 x = select(lanes(V - v), load16n(logits, dtype, row + v, V - v), set1(-INFINITY));
-            nan = either(nan, cmp<_CMP_UNORD_Q>(x, x));
-            mv = vmax(mv, x);
-        }
-        const float mx = reduce_max(mv);
-        if (bits(nan) || !std::isfinite(mx)) {
+        bool nan;
+        const float mx = row_max(logits, dtype, row, V, &nan);
+        if (nan || !std::isfinite(mx)) {
             loss_out[t] = NAN;
             continue;
         }
-        V16 sum = zero();
-        for (int v = 0; v < V; v += 16) {
-            const V16 x = load16n(logits, dtype, row + v, V - v);
-            sum = add(sum, select(lanes(V - v), exp_neg(sub(x, set1(mx))), zero()));
-        }
-        const float lse = mx + std::log(reduce_add(sum));
+        const float lse = row_lse(logits, dtype, row, V, mx);
         const float xt = load(logits, dtype, row + size_t(target[t]));
         loss_out[t] = lse - xt;
         for (int v = 0; v < V; v += 16) {
@@ -1458,28 +1459,15 @@ int wb_soft_xent_grad(const float* logits, long stride, int T, int V, const floa
         const float* x = logits + size_t(t) * stride;
         const float* q = p + size_t(t) * p_stride;
         float* g = grad + size_t(t) * stride;
-        V16 mv = set1(-INFINITY);
-        M16 nan = cmp<_CMP_UNORD_Q>(mv, mv);  // none
-        for (int v = 0; v < V; v += 16) {
-            const V16 xv = select(lanes(V - v), load16n(x, 0, v, V - v), set1(-INFINITY));
-            nan = either(nan, cmp<_CMP_UNORD_Q>(xv, xv));
-            mv = vmax(mv, xv);
-        }
-        const float mx = reduce_max(mv);
-        if (bits(nan) || !std::isfinite(mx)) {
+        bool nan;
+        const float mx = row_max(x, 0, 0, V, &nan);
+        if (nan || !std::isfinite(mx)) {
             loss_out[t] = NAN, arg_out[t] = 0;
             for (int v = 0; v < V; v += 16) store16n(g, 0, v, zero(), V - v);
             continue;
         }
-        long arg = 0;
-        for (int v = 0; v < V; v += 16) {  // the first lane equal to the max
-            const unsigned eq = bits(both(lanes(V - v), cmp<_CMP_EQ_OQ>(load16n(x, 0, v, V - v), set1(mx))));
-            if (eq) { arg = v + __builtin_ctz(eq); break; }
-        }
-        V16 sum = zero();
-        for (int v = 0; v < V; v += 16)
-            sum = add(sum, select(lanes(V - v), exp_neg(sub(load16n(x, 0, v, V - v), set1(mx))), zero()));
-        const float lse = mx + std::log(reduce_add(sum));
+        const long arg = row_argmax(x, 0, 0, V, mx);
+        const float lse = row_lse(x, 0, 0, V, mx);
         V16 loss = zero(), kept = zero();
         for (int v = 0; v < V; v += 16) {
             const V16 d = sub(load16n(x, 0, v, V - v), set1(lse));
