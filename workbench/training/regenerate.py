@@ -74,42 +74,15 @@ def regenerate_corpus(pair, corpus, sequences: int, lengths: tuple[int, ...] = (
     the train stream (each of `lengths` tokens in turn) continued for `new_tokens`, the temperatures
     cycled. `pair` is the verifier's (no draft needed); every prompt fits its context with the new
     tokens. Deterministic for a given seed."""
-    import json
-    from pathlib import Path
-
     from workbench.decoding.batch import BatchDecoder
-    from workbench.training.token_data import TokenData
 
-    corpus = Path(corpus)
     if not 0 <= chat_share <= 1:
         raise ValueError(f"chat_share = {chat_share!r}; expected a fraction in [0, 1]")
     room = pair.context_length - new_tokens
     if not lengths or max(lengths) > room or min(lengths) < 1:
         raise ValueError(f"lengths = {list(lengths)}; expected prompt lengths in [1, {room}] (the context "
                          f"{pair.context_length} less {new_tokens} new tokens)")
-    rng = random.Random(seed)
-    n_chat = round(sequences * chat_share)
-    jobs: list[tuple[list[int], str, str]] = []  # (prompt ids, kind, source)
-    if n_chat:
-        chats = corpus / "chat_train.jsonl"
-        if not chats.is_file():
-            raise FileNotFoundError(f"{chats}: missing; expected a corpus built by `workbench build-corpus` "
-                                    "(or chat_share 0)")
-        records = [json.loads(line) for line in chats.read_text(encoding="utf-8").splitlines() if line.strip()]
-        for r in rng.sample(records, min(n_chat, len(records))):
-            ids = pair.encode(pair.tokenizer.format_prompt(r["messages"][:-1]))  # the user's turn last
-            if len(ids) <= room:
-                jobs.append((ids, "chat", f"{r['package']}/{r['path']}"))
-    data = None
-    if sequences > len(jobs):
-        from tokenizers import Tokenizer as HFTokenizer
-
-        hf = HFTokenizer.from_file(str(Path(pair.tokenizer.directory) / "tokenizer.json"))
-        data = TokenData.build(corpus, hf, cache=Path(cache or corpus / "tokens"), log=log)
-    for i in range(sequences - len(jobs)):
-        n = lengths[i % len(lengths)]
-        window = data.sample(1, n - 1, rng)[0].tolist()  # n tokens
-        jobs.append((window, "code", f"train stream, {n} tokens"))
+    jobs = _prompts(pair, corpus, sequences, lengths, chat_share, room, random.Random(seed), cache, log)
     engine = BatchDecoder(pair, 0, max_batch_size=batch)
     rids = [engine.submit(ids, max_new_tokens=new_tokens, temperature=temperatures[i % len(temperatures)],
                           seed=seed * 1_000_003 + i) for i, (ids, _, _) in enumerate(jobs)]
@@ -129,6 +102,38 @@ def regenerate_corpus(pair, corpus, sequences: int, lengths: tuple[int, ...] = (
         out.append({"ids": ids + res.tokens, "kind": kind, "prompt_tokens": len(ids),
                     "temperature": temperatures[i % len(temperatures)], "source": source})
     return out
+
+
+def _prompts(pair, corpus, sequences: int, lengths: tuple[int, ...], chat_share: float, room: int,
+             rng: random.Random, cache, log) -> list[tuple[list[int], str, str]]:
+    """`regenerate_corpus`'s prompts, (ids, kind, source) each: the chat requests first, then the windows."""
+    import json
+    from pathlib import Path
+
+    from workbench.training.token_data import TokenData
+
+    corpus = Path(corpus)
+    n_chat = round(sequences * chat_share)
+    jobs: list[tuple[list[int], str, str]] = []
+    if n_chat:
+        chats = corpus / "chat_train.jsonl"
+        if not chats.is_file():
+            raise FileNotFoundError(f"{chats}: missing; expected a corpus built by `workbench build-corpus` "
+                                    "(or chat_share 0)")
+        records = [json.loads(line) for line in chats.read_text(encoding="utf-8").splitlines() if line.strip()]
+        for r in rng.sample(records, min(n_chat, len(records))):
+            ids = pair.encode(pair.tokenizer.format_prompt(r["messages"][:-1]))  # the user's turn last
+            if len(ids) <= room:
+                jobs.append((ids, "chat", f"{r['package']}/{r['path']}"))
+    if sequences > len(jobs):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        hf = HFTokenizer.from_file(str(Path(pair.tokenizer.directory) / "tokenizer.json"))
+        data = TokenData.build(corpus, hf, cache=Path(cache or corpus / "tokens"), log=log)
+        for i in range(sequences - len(jobs)):
+            n = lengths[i % len(lengths)]
+            jobs.append((data.sample(1, n - 1, rng)[0].tolist(), "code", f"train stream, {n} tokens"))  # n tokens
+    return jobs
 
 
 def main(argv: list[str] | None = None) -> int:
