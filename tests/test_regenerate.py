@@ -27,6 +27,9 @@ def _chat_corpus(tmp: Path, tokenizer) -> Path:
     for i in range(3):
         messages = [{"role": "user", "content": f"Write a Python function `f{i}(x)` that returns x + {i}."},
                     {"role": "assistant", "content": f"```python\ndef f{i}(x):\n    return x + {i}\n```"}]
+        if i == 1:  # a second turn: the request then carries the first turn's exchange
+            messages += [{"role": "user", "content": "Now add a docstring."},
+                         {"role": "assistant", "content": f"```python\ndef f{i}(x):\n    \"\"\"x + {i}.\"\"\"\n```"}]
         rows.append({"package": "demo", "path": f"demo/m{i}.py", "turns": 1, "messages": messages,
                      "text": tokenizer.apply_chat_template(messages)})  # as build-corpus renders it
     (corpus / "chat_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -49,6 +52,11 @@ def test_windows_and_chat_requests_are_continued_by_the_verifier(pair, tmp_path)
         assert text.startswith("<|im_system|>system") and "<|im_user|>user<|im_middle|>Write a Python function" in text
         assert text.endswith("<|im_end|><|im_assistant|>assistant<|im_middle|>")  # the answer is the verifier's
         assert r["ids"][0] != pair.tokenizer.bos_token_id
+    chats = regenerate_corpus(pair, corpus, 3, chat_share=1.0, new_tokens=2, cache=tmp_path / "tokens")
+    two = [pair.decode(r["ids"][:r["prompt_tokens"]]) for r in chats if r["source"] == "demo/demo/m1.py"]
+    # the two-turn request: its last user turn, with the first exchange before it
+    assert len(two) == 1 and "returns x + 1." in two[0] and two[0].count("<|im_user|>") == 2
+    assert "Now add a docstring.<|im_end|><|im_assistant|>" in two[0]
     for r in (records[0], records[2], records[4]):  # greedy rows: plain decoding's own continuation
         prompt = r["ids"][:r["prompt_tokens"]]
         if r["kind"] == "chat":
