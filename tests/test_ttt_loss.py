@@ -113,3 +113,46 @@ def test_the_soft_cross_entropy_kernel_zeroes_a_broken_rows_gradient():
     assert losses[2].item() == pytest.approx(want.item(), rel=1e-6)
     assert torch.equal(grad[2, 10:], torch.zeros(40)) and top.tolist()[::2] == [int(logits[0].argmax()),
                                                                                int(logits[2].argmax())]
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3])
+@pytest.mark.parametrize("D, Dv", [(48, 32), (16, 16)], ids=["mla-heads", "mha-heads"])
+def test_the_sink_attention_is_the_ttt_masks_attention(steps, D, Dv):
+    """`ttt_heads` (causal fused kernel, later steps' diagonal keys folded in through a sink key)
+    against SDPA with the explicit `ttt_mask`: the same outputs and gradients, to fp64 rounding."""
+    from workbench.models.mla import attend_heads
+    from workbench.training.eagle3 import ttt_heads, ttt_mask
+
+    g = torch.Generator().manual_seed(steps * 100 + D)
+    S = 37
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+    q, k, v = rand(2, 3, S, D), rand(2, 3, S * (steps + 1), D), rand(2, 3, S * (steps + 1), Dv)
+    got = ttt_heads(q, k, v, None, 0.3)
+    want = attend_heads(q, k, v, ttt_mask(S, steps)[None, None], 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    out = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), out), torch.autograd.grad(want, (q, k, v), out)):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+def test_the_loss_with_the_sink_attention_is_the_masked_ones():
+    """`ttt_loss` end to end with `ttt_heads` against `masked_ttt_heads`: the same losses and gradients."""
+    from workbench.training.eagle3 import masked_ttt_heads, trainable_parameters
+
+    pair = wb.load_pair(dtype="float32", fast="off")
+    v, d = pair.verifier, pair.draft
+    ids = torch.tensor([pair.encode("def mean(xs):\n    return sum(xs) / len(xs)\n" * 3)])
+    params = trainable_parameters(d)
+    got = []
+    for heads in ({}, {"heads": masked_ttt_heads}):
+        for p in params:
+            p.grad = None
+        total, metrics = ttt_loss(d, v, ids, ttt_steps=4, **heads)
+        total.backward()
+        got.append((metrics.losses, [p.grad.clone() for p in params]))
+    assert got[0][0] == pytest.approx(got[1][0], rel=1e-5)
+    for a, b in zip(got[0][1], got[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * b.abs().max().item())

@@ -53,13 +53,14 @@ class MHAttention(nn.Module):
         return q, torch.cat([k.reshape(B, T, -1), self.v_proj(x)], dim=-1)
 
     def attend(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None,
-               causal: bool = False) -> torch.Tensor:
+               causal: bool = False, heads=None) -> torch.Tensor:
+        """q [B,T,N,D] over cache rows [B,S,2*Nkv*D] (mask and `heads` as `MLAttention.attend_naive`)."""
         B, T = q.shape[:2]
         S = rows.shape[1]
         k, v = rows.view(B, S, 2, self.n_kv, self.head_dim).unbind(2)
         rep = self.n_heads // self.n_kv
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        o = attend_heads(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, causal)
+        o = (heads or attend_heads)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, causal)
         return o.transpose(1, 2).reshape(B, T, -1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,

@@ -130,9 +130,10 @@ class MLAttention(nn.Module):
         return q_nope, q_pe, torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
 
     def attend_naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
-                     mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+                     mask: torch.Tensor | None, causal: bool = False, heads=None) -> torch.Tensor:
         """Per-head K/V expanded from the latent rows [B,S,L+R]; mask [B or 1,1,T,S] bool (None: all
-        visible), or `causal` where the rows are the new tokens' own (`attend_heads`)."""
+        visible), or `causal` where the rows are the new tokens' own (`attend_heads`, or `heads` with
+        its arguments: a trainer's own pattern)."""
         B, T = q_nope.shape[:2]
         S = rows.shape[1]
         c_kv, k_pe = rows.split([self.kv_lora, self.rope], dim=-1)
@@ -140,7 +141,7 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, self.n_heads, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        o = attend_heads(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, causal)
+        o = (heads or attend_heads)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, causal)
         return o.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)  # from [B, N, T, V]
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

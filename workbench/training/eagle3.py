@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.models import Eagle3Draft, Verifier
-from workbench.models.mla import MLAttention
+from workbench.models.mla import MLAttention, attend_heads
 from workbench.training.train_view import train_kernels
 
 STEP_DECAY = 0.8
@@ -44,17 +44,54 @@ def ttt_mask(seq: int, step: int, device: torch.device | str = "cpu") -> torch.T
     return torch.where(kv < seq, kv <= q, (kv - q) % seq == 0)
 
 
-def ttt_attend(attn, x: torch.Tensor, positions: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
-    """Attention of step len(rows) over the rows of every step so far (MLA or MHA draft layer)."""
-    S = x.shape[1]
+def ttt_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, causal=False) -> torch.Tensor:
+    """`ttt_mask`'s attention without the mask: q [B,N,S,D] over k [B,N,(i+1)S,D], v [B,N,(i+1)S,Dv]
+    (the rows of TTT steps 0..i), exactly (gradients too); mask and causal are ignored.
+
+    Step 0's keys are causal, so they take SDPA's fused causal kernel. Each later step adds one key
+    to each query (its own position), so their scores d_j are a product each, their log-sum-exp m,
+    and their softmax's average value u. In the fused call a sink key, visible to every query,
+    stands for all of them: its score is m (a last dimension that only q and the sink carry), so the
+    softmax's normaliser is the masked one, and its weight w is the later keys' share: out = (the
+    call's values) + w u. A masked [S, (i+1)S] attention computes every one of its scores; this
+    computes half of step 0's."""
+    B, N, S, D = q.shape
+    steps, Dv = k.shape[2] // S - 1, v.shape[-1]
+    if steps == 0:
+        return attend_heads(q, k, v, None, scale, causal=True)
+    kd, vd = k[:, :, S:].unflatten(2, (steps, S)), v[:, :, S:].unflatten(2, (steps, S))  # [B,N,i,S,*]
+    d = torch.einsum("bnsd,bnjsd->bnsj", q, kd) * scale  # [B, N, S, i]
+    u = torch.einsum("bnsj,bnjsv->bnsv", d.softmax(-1), vd)
+    W = max(D, Dv) + 1  # one head size for q, k and v (the fused kernel's), the sink's column last
+    zero = q.new_zeros(B, N, 1, W)
+    sink = F.pad(zero[..., 1:], (0, 1), value=1.0)  # [0 ... 0 1]
+    qa = torch.cat([zero, torch.cat([F.pad(q, (0, W - 1 - D)), (d.logsumexp(-1) / scale)[..., None]], -1)], 2)
+    ka = torch.cat([sink, F.pad(k[:, :, :S], (0, W - D))], 2)
+    va = torch.cat([sink, F.pad(v[:, :, :S], (0, W - Dv))], 2)
+    # row 0 is a query that sees only the sink (dropped); row t + 1 sees the sink and keys 0..t
+    o = F.scaled_dot_product_attention(qa, ka, va, is_causal=True, scale=scale)[:, :, 1:]
+    return o[..., :Dv] + o[..., -1:] * u
+
+
+def masked_ttt_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
+                     causal=False) -> torch.Tensor:
+    """`ttt_heads`'s reference: SDPA with the explicit `ttt_mask` (every score computed, then masked)."""
+    S = q.shape[2]
+    return attend_heads(q, k, v, ttt_mask(S, k.shape[2] // S - 1, str(q.device))[None, None], scale)
+
+
+def ttt_attend(attn, x: torch.Tensor, positions: torch.Tensor, rows: list[torch.Tensor],
+               heads=ttt_heads) -> torch.Tensor:
+    """Attention of step len(rows) over the rows of every step so far (MLA or MHA draft layer), with
+    `ttt_mask`'s pattern (`heads`: `ttt_heads`, or its masked reference)."""
     if isinstance(attn, MLAttention):
         q_nope, q_pe, new = attn.project(x, positions)
         rows.append(new)
-        o = attn.attend_naive(q_nope, q_pe, torch.cat(rows, 1), ttt_mask(S, len(rows) - 1, str(x.device)))
+        o = attn.attend_naive(q_nope, q_pe, torch.cat(rows, 1), None, heads=heads)
     else:
         q, new = attn.project(x, positions)
         rows.append(new)
-        o = attn.attend(q, torch.cat(rows, 1), ttt_mask(S, len(rows) - 1, str(x.device)))
+        o = attn.attend(q, torch.cat(rows, 1), None, heads=heads)
     return attn.o_proj(o)
 
 
@@ -79,8 +116,9 @@ class StepMetrics:
 
 
 def ttt_loss(draft: Eagle3Draft, verifier: Verifier, ids: torch.Tensor, ttt_steps: int,
-             loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, StepMetrics]:
-    """The weighted TTT loss for a batch of token windows ids [B, S] (targets from the verifier, online)."""
+             loss_mask: torch.Tensor | None = None, heads=ttt_heads) -> tuple[torch.Tensor, StepMetrics]:
+    """The weighted TTT loss for a batch of token windows ids [B, S] (targets from the verifier, online);
+    `heads` the attention's pattern (`ttt_heads`, or `masked_ttt_heads`, its reference)."""
     B, S = ids.shape
     with torch.no_grad():
         out = verifier(ids)
@@ -98,7 +136,7 @@ def ttt_loss(draft: Eagle3Draft, verifier: Verifier, ids: torch.Tensor, ttt_step
     losses, accs = [], []
     for i in range(ttt_steps):
         positions = (torch.arange(S, device=ids.device) + i)[None]
-        pre = layer.block(embed(step_ids), h, lambda x: ttt_attend(layer.self_attn, x, positions, rows))
+        pre = layer.block(embed(step_ids), h, lambda x: ttt_attend(layer.self_attn, x, positions, rows, heads))
         post = draft.norm(pre)
         # position t of step i predicts token t + i + 1: the last i + 1 positions have no target
         n = S - i - 1

@@ -97,9 +97,10 @@ def bench_training(batch: int = 2, seq: int = 2048, steps: int = 3, rounds: int 
 
 def bench_draft_training(seq: int = 2048, steps: int = 2, rounds: int = 2, ttt_steps: int = 4, seed: int = 0) -> dict:
     """The draft's training tokens/s (`eagle3.ttt_loss`: the verifier online, TTT steps, AdamW) with its
-    loss on the CPU kernels against torch's operations, one window of `seq` tokens a step, interleaved."""
+    loss on the CPU kernels against torch's operations, and the trainer before the sink attention too
+    (torch's loss, SDPA over the explicit TTT mask), one window of `seq` tokens a step, interleaved."""
     from workbench.training.draft_init import draft_config_for, init_draft
-    from workbench.training.eagle3 import trainable_parameters, ttt_loss
+    from workbench.training.eagle3 import masked_ttt_heads, trainable_parameters, ttt_heads, ttt_loss
 
     torch.manual_seed(seed)
     cfg = tiny_kimi_config()
@@ -108,17 +109,20 @@ def bench_draft_training(seq: int = 2048, steps: int = 2, rounds: int = 2, ttt_s
     verifier.eval().requires_grad_(False)
     data = torch.randint(0, cfg.vocab_size, (steps + 1, 1, seq))
     arms = {}
-    for name in ("kernel loss", "torch loss"):
+    for name in ("kernel loss", "torch loss", "torch loss, masked attention"):
         dcfg = draft_config_for(cfg, "mla", None)
         draft = init_draft(dcfg, seed=seed)
         draft.share(verifier.model.embed_tokens, verifier.lm_head)
         verifier.aux_layer_ids = dcfg.aux_layer_ids
-        loss = (lambda b, d=draft: ttt_loss(d, verifier, b, ttt_steps)[0])  # noqa: E731
-        arms[name] = (loss, torch.optim.AdamW(trainable_parameters(draft), lr=1e-4, fused=True), name == "torch loss")
+        heads = masked_ttt_heads if name.endswith("masked attention") else ttt_heads
+        loss = (lambda b, d=draft, h=heads: ttt_loss(d, verifier, b, ttt_steps, heads=h)[0])  # noqa: E731
+        arms[name] = (loss, torch.optim.AdamW(trainable_parameters(draft), lr=1e-4, fused=True), "torch loss" in name)
     out = _summary(_timed_arms(arms, data, steps, rounds, seq))
     med = out.pop("median")
     return {"seq": seq, "steps": steps, "rounds": rounds, "ttt_steps": ttt_steps, "threads": torch.get_num_threads(),
-            **out, "kernel_over_torch": round(med["kernel loss"] / med["torch loss"], 2)}
+            **out, "kernel_over_torch": round(med["kernel loss"] / med["torch loss"], 2),
+            "sink_over_masked": round(med["torch loss"] / med["torch loss, masked attention"], 2),
+            "now_over_before": round(med["kernel loss"] / med["torch loss, masked attention"], 2)}
 
 
 if __name__ == "__main__":
