@@ -156,6 +156,9 @@ def test_a_resumed_run_equals_one_that_never_stopped(tmp_path, monkeypatch):
     warm = pretrain(_args(tmp_path / "c", corpus, max_steps=2, init=tmp_path / "b" / "final"), log=lambda s: None)
     assert [s["mode"] for s in warm["segments"]] == ["scratch", "resume", "warm restart"]
     assert warm["segments"][-1]["init"] == str(tmp_path / "b" / "final")
+    from workbench.kernels import cpu
+
+    assert warm["segments"][-1]["loss"] == ("cpu kernel" if cpu.available() else "torch")  # the log names the path
     assert warm["tokens_seen"] == sum(s["tokens"] for s in resumed["segments"]) + 2 * 2 * 64
 
 

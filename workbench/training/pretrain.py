@@ -38,7 +38,7 @@ from workbench.models import Verifier
 from workbench.training.eagle3 import lr_at
 from workbench.training.lm_eval import BUCKETS, bits_per_byte, eval_windows, token_byte_lengths
 from workbench.training.token_data import TokenData
-from workbench.training.train_view import TrainVerifier
+from workbench.training.train_view import TrainVerifier, train_kernels
 
 
 def tiny_kimi_config(vocab_size: int = 8192, bos: int = 0, eos: int = 1) -> VerifierConfig:
@@ -270,7 +270,8 @@ def _train(args: PretrainArgs, log, rank: int, world: int) -> dict:
                "mode": "resume" if args.resume else ("warm restart" if args.init else "scratch"),
                **({"init": str(args.init)} if args.init else {}),
                "threads": torch.get_num_threads(), "procs": world, "cpu": _cpu_name(), "batch": args.batch,
-               "seq": args.seq, "lr": args.lr, "bf16": args.bf16}
+               "seq": args.seq, "lr": args.lr, "bf16": args.bf16,
+               "loss": "cpu kernel" if train_kernels(torch.zeros(1)) else "torch"}  # which path made the loss
     tokens_a_step = args.batch * world * args.seq
     while step < stop:
         for g in opt.param_groups:
