@@ -91,6 +91,32 @@ def test_the_cross_entropy_kernel_flags_broken_rows_and_refuses_bad_targets():
         cpu.xent_grad_(torch.randn(2, 40), torch.tensor([0, 40]), 1.0)
 
 
+@pytest.mark.slow  # torch.compile
+def test_the_compiled_ops_train_as_the_eager_ones():
+    """`TrainVerifier(compiled=True)`: the norms as a compiled graph. In fp32 the eager view's
+    loss and gradients; in bf16 as close to the fp32 gradients as the eager bf16 view (a fused graph
+    rounds to bf16 once where the eager ops round after each step, and a token whose experts nearly
+    tie may route differently either way)."""
+    model = small_verifier().train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 97), generator=torch.Generator().manual_seed(1))
+    got = {}
+    for bf16, compiled in ((False, False), (False, True), (True, False), (True, True)):
+        view = TrainVerifier(model, bf16=bf16, compiled=compiled)
+        loss = view.loss(ids)
+        loss.backward()
+        got[bf16, compiled] = (loss.item(), torch.cat([p.grad.flatten() for _, p in view.trainable()]))
+        model.zero_grad(set_to_none=True)
+    (l32, g32), (l32c, g32c) = got[False, False], got[False, True]
+    assert l32c == pytest.approx(l32, rel=1e-6)
+    torch.testing.assert_close(g32c, g32, rtol=1e-4, atol=1e-5 * g32.abs().max().item())
+
+    def error(g):
+        return ((g - g32).norm() / g32.norm()).item()
+
+    (l16, g16), (l16c, g16c) = got[True, False], got[True, True]
+    assert l16c == pytest.approx(l32, rel=2e-3) and error(g16c) <= 1.2 * error(g16) + 1e-3
+
+
 def test_write_back_puts_the_trained_experts_into_the_reference_layout():
     model = small_verifier().train()
     view = TrainVerifier(model, bf16=False)
@@ -229,6 +255,7 @@ def test_a_corpus_without_its_files_is_refused_by_name(tmp_path):
         pretrain(_args(tmp_path / "run", tmp_path / "nothing"), log=lambda s: None)
 
 
+@pytest.mark.slow  # compiles the view's ops
 def test_the_training_speed_bench_runs_every_arm_side_by_side():
     import os
 
@@ -237,11 +264,11 @@ def test_the_training_speed_bench_runs_every_arm_side_by_side():
     before = os.environ.get("WORKBENCH_TRAIN_KERNELS")
     out = bench_training(batch=1, seq=32, steps=1, rounds=2)
     assert set(out["tokens_per_s"]) == {"reference fp32", "reference bf16 autocast", "view fp32", "view bf16",
-                                        "view bf16, torch loss"}
+                                        "view bf16, torch loss", "view bf16, compiled ops"}
     assert all(v > 0 for v in out["tokens_per_s"].values())
     assert all(lo <= out["tokens_per_s"][n] <= hi for n, (lo, hi) in out["spread"].items())
     assert set(out["view_bf16_over_reference"]) == {"reference fp32", "reference bf16 autocast"}
-    assert out["kernel_loss_over_torch_loss"] > 0
+    assert out["kernel_loss_over_torch_loss"] > 0 and out["compiled_ops_over_eager"] > 0
     draft = bench_draft_training(seq=32, steps=1, rounds=2, ttt_steps=2)
     assert set(draft["tokens_per_s"]) == {"kernel loss", "torch loss", "torch loss, masked attention"}
     assert draft["kernel_over_torch"] > 0 and draft["sink_over_masked"] > 0 and draft["now_over_before"] > 0

@@ -447,7 +447,7 @@ def cmd_pretrain(args) -> int:
         out=Path(args.out), corpus=Path(args.corpus), tokenizer=Path(args.tokenizer),
         init=Path(args.init) if args.init else None, resume=args.resume, max_minutes=args.max_minutes,
         batch=args.batch, seq=args.seq, lr=args.lr, warmup=args.warmup, seed=args.seed,
-        eval_every=args.eval_every, eval_windows=args.eval_windows, bf16=not args.fp32, threads=args.threads,
+        eval_every=args.eval_every, eval_windows=args.eval_windows, bf16=not args.fp32, compiled=args.compile, threads=args.threads,
         procs=args.procs, schedule_steps=args.schedule_steps))
     print(json.dumps({k: v for k, v in report.items() if k not in ("history", "segments")}))
     return 0
@@ -668,6 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--procs", type=int, default=1,
                    help="data-parallel processes, each with --threads threads and --batch windows a step")
     p.add_argument("--fp32", action="store_true", help="fp32 matmuls (default: bf16 with fp32 statistics)")
+    p.add_argument("--compile", action="store_true",
+                   help="the norms as a torch.compile graph (seconds to compile at the start)")
     p.set_defaults(fn=cmd_pretrain)
 
     p = sub.add_parser("train-draft", help="online EAGLE-3 training with training-time test", add_help=False)

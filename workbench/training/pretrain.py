@@ -83,6 +83,7 @@ class PretrainArgs:
     seed: int = 0
     bias_update: float = 1e-3
     bf16: bool = True
+    compiled: bool = False  # the view's norms as a torch.compile graph (`train_view.Ops`)
     eval_every: int = 100
     eval_windows: int = 16
     save_every_minutes: float = 10.0
@@ -243,7 +244,7 @@ def _train(args: PretrainArgs, log, rank: int, world: int) -> dict:
         model = Verifier(cfg)
         init_weights(model, cfg.num_hidden_layers)
     model.train()
-    view = TrainVerifier(model, bf16=args.bf16)
+    view = TrainVerifier(model, bf16=args.bf16, compiled=args.compiled)
     named = view.trainable()
     decay = [p for n, p in named if p.dim() >= 2]
     no_decay = [p for n, p in named if p.dim() < 2]
@@ -271,7 +272,8 @@ def _train(args: PretrainArgs, log, rank: int, world: int) -> dict:
                **({"init": str(args.init)} if args.init else {}),
                "threads": torch.get_num_threads(), "procs": world, "cpu": _cpu_name(), "batch": args.batch,
                "seq": args.seq, "lr": args.lr, "bf16": args.bf16,
-               "loss": "cpu kernel" if train_kernels(torch.zeros(1)) else "torch"}  # which path made the loss
+               "loss": "cpu kernel" if train_kernels(torch.zeros(1)) else "torch",  # which path made the loss
+               "compiled": args.compiled}
     tokens_a_step = args.batch * world * args.seq
     while step < stop:
         for g in opt.param_groups:

@@ -77,12 +77,13 @@ def bench_training(batch: int = 2, seq: int = 2048, steps: int = 3, rounds: int 
     cfg = tiny_kimi_config()
     data = torch.randint(0, cfg.vocab_size, (steps + 1, batch, seq + 1))
     arms = {}
-    for name in ("reference fp32", "reference bf16 autocast", "view fp32", "view bf16", "view bf16, torch loss"):
+    for name in ("reference fp32", "reference bf16 autocast", "view fp32", "view bf16", "view bf16, torch loss",
+                 "view bf16, compiled ops"):
         model = Verifier(cfg)
         init_weights(model, cfg.num_hidden_layers)
         model.train()
         if name.startswith("view"):
-            view = TrainVerifier(model, bf16="bf16" in name)
+            view = TrainVerifier(model, bf16="bf16" in name, compiled=name.endswith("compiled ops"))
             params, loss = [p for _, p in view.trainable()], view.loss
         else:
             params = list(model.parameters())
@@ -92,7 +93,8 @@ def bench_training(batch: int = 2, seq: int = 2048, steps: int = 3, rounds: int 
     med = out.pop("median")
     return {"batch": batch, "seq": seq, "steps": steps, "rounds": rounds, "threads": torch.get_num_threads(), **out,
             "view_bf16_over_reference": {n: round(med["view bf16"] / med[n], 2) for n in med if n.startswith("reference")},
-            "kernel_loss_over_torch_loss": round(med["view bf16"] / med["view bf16, torch loss"], 2)}
+            "kernel_loss_over_torch_loss": round(med["view bf16"] / med["view bf16, torch loss"], 2),
+            "compiled_ops_over_eager": round(med["view bf16, compiled ops"] / med["view bf16"], 2)}
 
 
 def bench_draft_training(seq: int = 2048, steps: int = 2, rounds: int = 2, ttt_steps: int = 4, seed: int = 0) -> dict:
