@@ -191,7 +191,8 @@ def test_report_sets_the_loops_apart_and_warns(pair):
     from workbench.analysis.degeneracy import detect_loop
     from workbench.decoding.stats import compute_stats
 
-    noise = bytes(random.Random(1).randrange(32, 127) for _ in range(120)).decode()
+    rng = random.Random(1)
+    noise = "".join(chr(rng.randrange(33, 127)) for _ in range(120))  # printable characters, drawn
     prompts = [*PROMPTS, noise]
     r = run_bench(pair, prompts, k=2, max_new_tokens=40, peers=False, progress=False)
     runs = [wb.SpecDecoder(pair, 2).generate(p, 40) for p in prompts]

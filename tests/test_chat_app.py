@@ -170,14 +170,20 @@ def pair(app):
 _REFERENCES: dict[tuple, wb.GenerationResult] = {}
 
 
+def _turn(pair: wb.ModelPair, prompt: str) -> str:
+    """One user turn as the chat sends it: through the pair's chat template (the text itself without one)."""
+    return pair.tokenizer.format_prompt([{"role": "user", "content": prompt}])
+
+
 def _library(pair: wb.ModelPair, prompt: str, k: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              acceptor: str | None = None) -> wb.GenerationResult:
-    """What `workbench generate --json --heal --k K --seed S` returns for `prompt` (computed once per file):
-    the chat heals prompts by default."""
+    """What `workbench generate --chat --json --heal --k K --seed S` returns for `prompt` (computed once per
+    file): one user turn through the pair's chat template (the text itself without one), healed as the
+    chat heals by default."""
     key = (id(pair), prompt, k, temperature, top_p, seed, acceptor)
     if key not in _REFERENCES:
         dec = wb.SpecDecoder(pair, k, temperature, top_p, seed=seed, acceptor=acceptor)
-        _REFERENCES[key] = dec.generate(prompt, NEW, heal=True)
+        _REFERENCES[key] = dec.generate(_turn(pair, prompt), NEW, heal=True)
     return _REFERENCES[key]
 
 
@@ -218,7 +224,7 @@ def test_the_acceptance_rule_is_chosen_and_named(app, pair):
     conv = session.Conversation(history=[{"role": "user", "content": "x = ["}])
     s = session.make_settings(2, 0.8, 1, 8, 3, acceptor="block")
     answer = list(app.run_turn(conv, s))[-1]
-    ref = wb.SpecDecoder(pair, 2, 0.8, 1.0, seed=3, acceptor="block").generate("x = [", 8, heal=True)
+    ref = wb.SpecDecoder(pair, 2, 0.8, 1.0, seed=3, acceptor="block").generate(_turn(pair, "x = ["), 8, heal=True)
     assert answer.rule == ref.acceptance_rule == "block (greedy draft, one-hot q)" and answer.text == ref.text
 
 
@@ -243,7 +249,7 @@ def test_turns_race_and_conversation_stats(app, pair):
     assert [n for _, n in phases[:-2]] == list(range(1, len(answer.events) + 1))  # one update per step
     assert [p for p, _ in phases] == ["speculative"] * len(answer.events) + ["baseline", "done"]
     assert answer.text == _library(pair, PROMPT, 3).text == conv.history[-1]["content"]
-    assert answer.baseline_text == wb.generate_autoregressive(pair, PROMPT, NEW, heal=True).text
+    assert answer.baseline_text == wb.generate_autoregressive(pair, _turn(pair, PROMPT), NEW, heal=True).text
     race = answer.race  # both ways timed back to back under the sweep's protocol
     assert race.results["speculative"][0][0].text == answer.text and race.rate("autoregressive").median > 0
     assert "decode: speculative" in render.race_html(answer)
@@ -254,8 +260,9 @@ def test_turns_race_and_conversation_stats(app, pair):
         answer.race = _FixedRates(spec_rate, 100.0)  # a busy machine's pair of timings, then a sane one
         assert ('id="race-noise"' in render.race_html(answer)) is flagged
     conv.history.append({"role": "user", "content": "x = ["})
+    both_turns = pair.tokenizer.format_prompt(conv.history)  # the second turn sees the first
     off = list(app.run_turn(conv, session.make_settings(3, 0, 1, 8, 0, False)))[-1]
-    assert off.text == wb.generate_autoregressive(pair, "x = [", 8, heal=True).text
+    assert off.text == wb.generate_autoregressive(pair, both_turns, 8, heal=True).text
     spec_steps = [e for e in answer.events if e.kind == "spec"]
     assert conv.spec_events() == answer.events and conv.autoregressive_events() == answer.baseline + off.events
     table = render.stats_html(conv, off)
@@ -398,7 +405,7 @@ def test_four_users_at_once_each_get_their_own_answer(app_url, pair):
         t.join(timeout=600)
     assert not errors and sorted(results) == [1, 2, 3, 4]
     for k, (text, info) in results.items():
-        ref = wb.SpecDecoder(pair, k).generate(prompts[k], OVERLAP, heal=True)
+        ref = wb.SpecDecoder(pair, k).generate(_turn(pair, prompts[k]), OVERLAP, heal=True)
         assert text == ref.text and info["k"] == k
         assert info["stats"]["num_draft_tokens"] == ref.stats.num_draft_tokens  # this user's k, not another's
     assert results[1][0] == results[4][0]  # greedy is lossless: the same prompt, the same text at any k
@@ -488,9 +495,14 @@ def test_browser_streams_colours_and_matches_generate(app_url, app, pair):
                 page.locator("#race-mode input").check()
             _answer(page, prompt, answers_before=1 + i)  # the stopped answer stays in the conversation
             assert "acceptance: greedy" in page.locator("#run-state").text_content()  # the run names its rule
-            ref = _library(pair, prompt, 2)
+            shown = page.locator("#history [data-role]").evaluate_all(
+                "els => els.map(e => ({role: e.dataset.role, content: e.querySelector('pre').textContent}))")
+            assert shown[-2:][0] == {"role": "user", "content": prompt}  # earlier turns, the stopped one too
+            sent = pair.tokenizer.format_prompt(shown[:-1])  # the conversation in the chat template
+            ref = wb.SpecDecoder(pair, 2).generate(sent, NEW, heal=True)
             assert page.locator("#answer-text textarea").input_value() == ref.text
-            assert page.locator("#tokens kbd").text_content() == prompt  # markup shown as text, never executed
+            assert page.locator("#tokens kbd").text_content() == sent  # markup shown as text, never executed
+            assert sent.endswith(prompt + "<|im_end|><|im_assistant|>assistant<|im_middle|>")
             assert page.locator("#tokens b").count() == 0 and page.locator("#history b").count() == 0
             messages = page.locator("#history pre").evaluate_all("els => els.map(e => e.textContent)")
             assert messages[-2:] == [prompt, ref.text]  # the conversation keeps both, exactly

@@ -9,7 +9,7 @@ from workbench.tokenizer import Tokenizer
 from workbench.training import chat_pairs as cp
 from workbench.training.tokenizer import KIMI_CHAT_TEMPLATE, KIMI_DEFAULT_SYSTEM
 
-VERIFIER = Path(__file__).resolve().parents[1] / "assets" / "tiny-kimi" / "verifier"
+VERIFIER = Path(__file__).resolve().parents[1] / "assets" / "tiny-kimi-v1" / "verifier"  # the stdlib tokenizer
 
 SOURCE = textwrap.dedent('''\
     import os

@@ -28,17 +28,17 @@ def pair():
 def test_the_long_documents_are_held_out_permissive_and_long_enough(pair):
     """Every document names its package, version, path and licence, comes from a package held out
     of the chat verifier's corpus (assets/corpus/manifest.json), and reaches the longest default
-    cut plus 64 new tokens under the embedded pair's tokenizer and the chat verifier's."""
+    cut plus 64 new tokens under the embedded pair's tokenizer and the first (stdlib) pair's."""
     docs = load_documents()
     manifest = json.loads((REPO / "assets/corpus/manifest.json").read_text())["packages"]
     from tokenizers import Tokenizer
 
-    v2 = Tokenizer.from_file(str(REPO / "assets/tiny-kimi-v2/verifier/tokenizer.json"))
+    v1 = Tokenizer.from_file(str(REPO / "assets/tiny-kimi-v1/verifier/tokenizer.json"))
     assert len(docs) >= 16 and len({d["package"] for d in docs}) >= 8
     for d in docs:
         assert d["license"] in ("MIT", "BSD", "Apache-2.0", "PSF"), d["path"]
         assert manifest[d["package"]]["split"] == "eval" and manifest[d["package"]]["version"] == d["version"]
-        assert len(pair.encode(d["text"])) >= 1920 + 64 and len(v2.encode(d["text"]).ids) >= 1920 + 64, d["path"]
+        assert len(pair.encode(d["text"])) >= 1920 + 64 and len(v1.encode(d["text"]).ids) >= 1920 + 64, d["path"]
 
 
 def test_a_bad_documents_file_names_the_file_line_and_field(tmp_path):
@@ -108,7 +108,7 @@ def test_drafts_of_one_verifier_are_measured_side_by_side(pair):
         assert (a.accept_length, a.loops, a.identical) == (b.accept_length, b.loops, b.identical)
     assert both["mla"].kv_bytes_per_token["draft"] < both["mha"].kv_bytes_per_token["draft"]  # MLA's smaller cache
     assert all(p.identical == 2 for r in both.values() for p in r.points)  # greedy stays lossless for both
-    other = wb.load_pair(str(EMBEDDED.parent / "tiny-kimi-v2" / "verifier"), no_draft=True)
+    other = wb.load_pair(str(EMBEDDED.parent / "tiny-kimi-v1" / "verifier"), no_draft=True)
     with pytest.raises(ValueError, match="no draft"):
         context_compare({"mla": pair, "none": other}, docs, **kw)
 

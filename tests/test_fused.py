@@ -70,7 +70,8 @@ def test_near_the_context_end_steps_stay_fused(fp32_pair):
     fused: one call per step, with the same tokens and events as unfused."""
     pair, prompt = fp32_pair, PROMPTS[0]
     n = len(pair.encode(prompt))
-    for max_len in (n + 9, n + 14):
+    last = []  # proposals in each run's last step
+    for max_len in range(n + 9, n + 15):
         dec = wb.SpecDecoder(pair, 4, fused=True)
         before = dec.fused.calls
         got = dec.generate(prompt, 64, max_len=max_len)
@@ -79,7 +80,8 @@ def test_near_the_context_end_steps_stay_fused(fp32_pair):
         assert _same_events(got, want) < 1e-5
         spec = [e for e in got.events if e.kind == "spec"]
         assert dec.fused.calls - before == 1 + len(spec)  # the first proposal, then one call per step
-        assert len(spec[-1].proposed) < 4
+        last.append(len(spec[-1].proposed))
+    assert min(last) < 4  # where the room ran out before k proposals (which runs do depends on acceptance)
 
 
 def test_when_a_step_is_fused(fp32_pair):
@@ -151,7 +153,7 @@ def test_cli_fused_flag(capsys):
     request that cannot be fused is an error naming the flag's value, exit status 2."""
     from workbench.cli import main
 
-    common = ["generate", "--prompt", PROMPTS[1], "--k", "3", "--max-new-tokens", "12", "--json"]
+    common = ["generate", "--prompt", PROMPTS[1], "--k", "3", "--max-new-tokens", "32", "--json"]
     outs = []
     for flag in ("on", "off"):
         assert main(common + ["--fused", flag]) == 0

@@ -14,7 +14,7 @@ from workbench.decoding.healing import first_piece, heal
 
 # code prompts that end as an editor sends them: after a newline, or inside the new line's indentation
 BODIES = ['import json\n\ndef load_config(path):\n    """Read a JSON config file and return a dict."""',
-          "def add(a, b):", 'class Stack:\n    """A last-in first-out stack."""\n\n    def push(self, item):']
+          "import os\n\n\ndef add(a, b):", 'class Stack:\n    """A last-in first-out stack."""\n\n    def push(self, item):']
 ENDINGS = ["\n", "\n    "]
 # ... and after a space in the middle of a line
 MIDLINE = ["def add(a, b):\n    return", "import os\n\nPATH =", "for i in range(10):\n    if i %"]
@@ -85,11 +85,13 @@ def test_the_cli_heals_when_asked():
     assert outs[True] != outs[False]
 
 
-def test_the_chat_heals(embedded_pair):
+def test_the_chat_heals():
+    """A pair without a chat template (the first, stdlib pair) continues the user's text, healed."""
     sys.path.insert(0, str(REPO / "apps"))
     from chat_app.session import ChatApp, Conversation, Settings
 
-    app = ChatApp(pair=embedded_pair)
+    first = REPO / "assets" / "tiny-kimi-v1"
+    app = ChatApp(pair=wb.load_pair(first / "verifier", first / "draft", dtype="float32"))
     try:
         for ending in ENDINGS[:2]:
             conv = Conversation(history=[{"role": "user", "content": BODIES[0] + ending}])

@@ -355,13 +355,14 @@ def test_generation_config_eos_ends_a_generation(tmp_path):
     vdir = tmp_path / "verifier"
     shutil.copytree(EMBEDDED / "verifier", vdir)
     pair = wb.load_pair(vdir, EMBEDDED / "draft", dtype="float32")
-    plain = wb.generate_autoregressive(pair, "def add(a, b):", max_new_tokens=12)
+    prompt = "import os\n\n\ndef add(a, b):\n"  # continued for 12 tokens without an end of turn
+    plain = wb.generate_autoregressive(pair, prompt, max_new_tokens=12)
     stop = plain.tokens[5]
     first = plain.tokens.index(stop)
     (vdir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, stop]}))
     assert stop in pair.eos_token_ids and 1 in pair.eos_token_ids
-    for res in (wb.generate_autoregressive(pair, "def add(a, b):", max_new_tokens=12),
-                wb.SpecDecoder(pair, 3).generate("def add(a, b):", max_new_tokens=12)):
+    for res in (wb.generate_autoregressive(pair, prompt, max_new_tokens=12),
+                wb.SpecDecoder(pair, 3).generate(prompt, max_new_tokens=12)):
         assert res.finish_reason == "eos" and res.tokens[:first] == plain.tokens[:first]
         assert len(res.tokens) <= first + 1
     (vdir / "generation_config.json").write_text(json.dumps({"eos_token_id": "im_end"}))

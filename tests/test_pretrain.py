@@ -300,8 +300,8 @@ def test_the_verifier_report_card(tmp_path):
     assert not (vdir / "tokens").exists()  # nothing written into the checkpoint
 
 
-def test_the_next_verifier_loads_and_chats_in_kimis_format():
-    """The chat verifier in training (assets/tiny-kimi-v2/verifier, not yet the default): a real
+def test_the_embedded_verifier_loads_and_chats_in_kimis_format():
+    """The chat verifier (assets/tiny-kimi/verifier, the embedded default): a real
     checkpoint of the same family, its tokenizer's chat markers single tokens, its template Kimi's
     layout, and generation_config ending a turn at <|im_end|>."""
     import json
@@ -309,7 +309,7 @@ def test_the_next_verifier_loads_and_chats_in_kimis_format():
     from workbench.pair import generation_eos_ids, load_verifier
     from workbench.tokenizer import Tokenizer
 
-    vdir = EMBEDDED.parent / "tiny-kimi-v2" / "verifier"
+    vdir = EMBEDDED / "verifier"
     model = load_verifier(vdir, dtype=torch.float32)
     cfg = model.config
     assert (cfg.model_type, cfg.topk_method, cfg.rope_interleave, cfg.max_position_embeddings) == \

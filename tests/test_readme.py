@@ -120,7 +120,10 @@ def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def test_generate_example_runs():
-    out = _run(["generate", "--prompt", "def fibonacci(n):", "--k", "3", "--max-new-tokens", "8", "--json"])
+    """The README's first CLI line, shortened: a request through the embedded pair's chat template."""
+    shown = next(ln for ln in README.splitlines() if ln.startswith("workbench generate --chat"))
+    prompt = shown.split("--prompt '")[1].split("'")[0]
+    out = _run(["generate", "--chat", "--prompt", prompt, "--k", "3", "--max-new-tokens", "8", "--json"])
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert len(res["tokens"]) == 8 and res["accept_length"] >= 1 and res["steps"][0]["kind"] == "prefill"

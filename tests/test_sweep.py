@@ -251,26 +251,23 @@ def test_cli_json_records_each_arms_untimed_warm_up():
     assert run("--no-warmup")["warmup_s"]["0.0"] == {}
 
 
-def test_cli_generate_chat_sends_a_user_turn_through_the_template(capsys, tmp_path):
-    """`generate --chat` renders the prompt as one user turn with the checkpoint's chat template; a
-    checkpoint without one is refused by name, and plain completion stays the default."""
-    import shutil
-
+def test_cli_generate_chat_sends_a_user_turn_through_the_template(capsys):
+    """`generate --chat` renders the prompt as one user turn with the checkpoint's chat template (the
+    embedded verifier's is Kimi's); a checkpoint without one is refused by name, and plain completion
+    stays the default."""
     from tests.helpers import EMBEDDED
     from workbench.tokenizer import Tokenizer
     from workbench.training.tokenizer import KIMI_CHAT_TEMPLATE
 
-    assert main(["generate", "--chat", "--prompt", "Write f.", "--max-new-tokens", "4"]) == 2
+    first = EMBEDDED.parent / "tiny-kimi-v1"  # the stdlib pair: no chat template
+    assert main(["generate", "--verifier", str(first / "verifier"), "--draft", str(first / "draft"), "--chat",
+                 "--prompt", "Write f.", "--max-new-tokens", "4"]) == 2
     assert "--chat needs a chat template" in capsys.readouterr().err
-    chat_dir = tmp_path / "verifier"
-    shutil.copytree(EMBEDDED / "verifier", chat_dir)
-    config = json.loads((chat_dir / "tokenizer_config.json").read_text())
-    (chat_dir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": KIMI_CHAT_TEMPLATE}))
-    argv = ["generate", "--verifier", str(chat_dir), "--draft", str(EMBEDDED / "draft"), "--prompt", "Write f.",
-            "--max-new-tokens", "4", "--json"]
+    argv = ["generate", "--prompt", "Write f.", "--max-new-tokens", "4", "--json"]
     assert main([*argv, "--chat"]) == 0
     chat = json.loads(capsys.readouterr().out)
-    tok = Tokenizer.from_dir(chat_dir)
+    tok = Tokenizer.from_dir(EMBEDDED / "verifier")
+    assert tok.chat_template == KIMI_CHAT_TEMPLATE
     rendered = tok.format_prompt([{"role": "user", "content": "Write f."}])
     assert "<|im_user|>user<|im_middle|>Write f.<|im_end|>" in rendered
     assert chat["prompt_tokens"] == tok.encode(rendered, add_bos=True) or chat["prompt_tokens"] == tok.encode(rendered)

@@ -13,7 +13,7 @@ from workbench.tokenizer import Tokenizer, _bytes_to_unicode, _tiktoken_chunks
 from workbench.training import corpus
 from workbench.training import tokenizer as bpe
 
-VERIFIER = Path(__file__).resolve().parents[1] / "assets" / "tiny-kimi" / "verifier"
+VERIFIER = Path(__file__).resolve().parents[1] / "assets" / "tiny-kimi-v1" / "verifier"  # the stdlib tokenizer
 FAST = settings(max_examples=60, deadline=None)
 
 # Text that stresses byte-level round trips: tabs, CRLF, trailing spaces, deep indentation,
@@ -32,9 +32,9 @@ def tok() -> Tokenizer:
     return Tokenizer.from_dir(VERIFIER)
 
 
-# ---- the shipped tokenizer ---------------------------------------------------------------
+# ---- the first pair's tokenizer (stdlib, no chat markers; assets/tiny-kimi-v1) ---------------
 
-def test_shipped_tokenizer_ids_and_config(tok):
+def test_stdlib_tokenizer_ids_and_config(tok):
     assert tok.vocab_size == 8192
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
     assert tok.chat_template is None
@@ -47,7 +47,7 @@ def test_shipped_tokenizer_ids_and_config(tok):
     assert spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] == bpe.CODE_PATTERN
 
 
-def test_shipped_tokenizer_keeps_newline_and_indentation_together(tok):
+def test_stdlib_tokenizer_keeps_newline_and_indentation_together(tok):
     ids = tok.encode("):\n        return")
     assert tok.token_texts(ids) == ["):", "\n        ", "return"]
 
@@ -335,3 +335,6 @@ def test_committed_chat_tokenizer():
     tail = [5, *tok.encode("assistant"), 6]  # <|im_assistant|>assistant<|im_middle|>
     assert ids[0] == 3 and ids[-len(tail):] == tail
     assert tok.decode(ids) == prompt
+    shipped = VERIFIER.parents[1] / "tiny-kimi" / "verifier"  # the embedded verifier speaks it
+    assert (shipped / "tokenizer.json").read_bytes() == (CHAT_TOKENIZER / "tokenizer.json").read_bytes()
+    assert Tokenizer.from_dir(shipped).chat_template == bpe.KIMI_CHAT_TEMPLATE

@@ -531,7 +531,7 @@ def test_switched_off_or_unbuildable_the_models_use_torch(tmp_path):
     """WORKBENCH_CPU_KERNELS=0, or no compiler: `serves` is False, `status` says why, and decoding works."""
     code = ("import torch, workbench as wb; from workbench.kernels import cpu; "
             "pair = wb.load_pair(dtype='float32'); "
-            "r = wb.generate_autoregressive(pair, 'def f(x):', 6); "
+            "r = wb.generate_autoregressive(pair, 'import os\\n\\n\\ndef f(x):\\n', 6); "
             "print(cpu.available(), len(r.tokens), cpu.status())")
     for env in ({"WORKBENCH_CPU_KERNELS": "0"}, {"CXX": "/nonexistent/c++", "WORKBENCH_CACHE_DIR": str(tmp_path)}):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
