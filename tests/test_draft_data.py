@@ -56,8 +56,11 @@ def test_cli_writes_rows_the_trainer_reads(tmp_path, capsys):
 
 def test_bad_rows_name_the_file_and_the_fields(tmp_path):
     bad = _write(tmp_path / "bad.jsonl", [{"text": "no ids"}])
-    with pytest.raises(ValueError, match="'ids'.*'prompt_tokens'"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl: record 1: fields 'ids'.*'prompt_tokens'"):
         dd.draft_data([bad], None, 0, 0)
+    (tmp_path / "broken.jsonl").write_text('{"ids": [1\n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl:1: not valid JSON"):
+        dd.read_jsonl(tmp_path / "broken.jsonl")
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
     with pytest.raises(ValueError, match=r"list\.jsonl:1: expected a JSON object"):
         dd.read_jsonl(tmp_path / "list.jsonl")

@@ -23,20 +23,23 @@ def read_jsonl(path: str | Path) -> list[dict]:
     rows = []
     for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{i}: expected a JSON object per line")
             rows.append(row)
     return rows
 
 
-def clean_records(records: list[dict], counts: Counter | None = None) -> list[dict]:
+def clean_records(records: list[dict], counts: Counter | None = None, source: str = "records") -> list[dict]:
     """Regenerated records ({"ids", "prompt_tokens", "kind", "temperature"}) -> {"ids"} rows: a looping
-    continuation is cut off at its prompt."""
+    continuation is cut off at its prompt. `source` names them in errors (their file)."""
     out = []
-    for i, r in enumerate(records):
+    for i, r in enumerate(records, 1):
         if not isinstance(r.get("ids"), list) or not isinstance(r.get("prompt_tokens"), int):
-            raise ValueError(f"record {i}: fields 'ids' (list) and 'prompt_tokens' (int) expected, as "
+            raise ValueError(f"{source}: record {i}: fields 'ids' (list) and 'prompt_tokens' (int) expected, as "
                              "`regenerate --corpus` writes them")
         loops = is_degenerate(r["ids"][r["prompt_tokens"]:])
         if counts is not None:
@@ -64,7 +67,7 @@ def corpus_sample(corpus: str | Path, docs: int, chats: int, seed: int = 0) -> l
 def draft_data(regen: list[str | Path], corpus: str | Path | None, docs: int, chats: int, seed: int = 0,
                counts: Counter | None = None) -> list[dict]:
     """The mixed rows, shuffled with the seed (the trainer draws windows from their concatenation)."""
-    rows = [row for path in regen for row in clean_records(read_jsonl(path), counts)]
+    rows = [row for path in regen for row in clean_records(read_jsonl(path), counts, str(path))]
     if corpus is not None:
         rows += corpus_sample(corpus, docs, chats, seed)
     random.Random(seed).shuffle(rows)
