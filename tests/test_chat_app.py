@@ -379,7 +379,7 @@ def test_api_matches_the_library(app_url, pair):
         client.predict(PROMPT, 9, 0.0, 1.0, NEW, 0, True, api_name="/generate")
 
 
-OVERLAP = 300  # tokens per answer in the concurrency test: long enough that four requests overlap in the batch
+OVERLAP = 1024  # tokens per answer (the most the UI allows): long enough that four requests overlap in the batch
 
 
 def test_four_users_at_once_each_get_their_own_answer(app_url, pair):

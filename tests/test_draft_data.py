@@ -23,6 +23,10 @@ def test_a_looping_continuation_keeps_only_its_prompt():
                             {"ids": prompt + fresh, "prompt_tokens": 40, "kind": "code", "temperature": 0.7}], counts)
     assert got == [{"ids": prompt}, {"ids": prompt + fresh}]
     assert counts == {"code T=0.0 prompt only": 1, "code T=0.7 kept": 1}
+    counts.clear()  # --loops keep: the verifier's loops are what a bench or the chat serves
+    got = dd.clean_records([{"ids": prompt + loop, "prompt_tokens": 40, "kind": "chat", "temperature": 0.0}], counts,
+                           keep_loops=True)
+    assert got == [{"ids": prompt + loop}] and counts == {"chat T=0.0 loop kept": 1}
 
 
 def test_mix_draws_corpus_documents_and_chats_with_the_seed(tmp_path):
@@ -52,6 +56,11 @@ def test_cli_writes_rows_the_trainer_reads(tmp_path, capsys):
     tok = Tokenizer.from_dir(EMBEDDED / "verifier")
     stream = corpus_stream(tok, str(out))
     assert stream.tolist() == [tok.bos_token_id, 5, 6, 7, tok.eos_token_id]
+    looping = _write(tmp_path / "loop.jsonl", [{"ids": [5] + [1, 2, 3] * 30, "prompt_tokens": 1}])
+    for mode, kept in (("prompt", [5]), ("keep", [5] + [1, 2, 3] * 30)):
+        assert dd.main(["--regen", str(looping), "--loops", mode, "--out", str(out)]) == 0
+        assert json.loads(out.read_text()) == {"ids": kept}
+    capsys.readouterr()
 
 
 def test_bad_rows_name_the_file_and_the_fields(tmp_path):

@@ -1,9 +1,10 @@
 """A draft's training text: the verifier's regenerated continuations that read like code, and the corpus.
 
 A greedy continuation of this verifier usually loops; a draft trained on loops learns to copy, which
-is easy and is not what `workbench context` scores (its clean continuations). So a regenerated record
-whose continuation loops (`degeneracy`'s rule) keeps only its prompt, which is corpus text, and the
-rest keep prompt and continuation. Whole corpus documents and chat conversations, drawn with the seed,
+is easy and is not what `workbench context` scores (its clean continuations). So by default a
+regenerated record whose continuation loops (`degeneracy`'s rule) keeps only its prompt, which is
+corpus text, and the rest keep prompt and continuation; `--loops keep` keeps the loops too, since a
+looping verifier is what `workbench bench` and the chat serve. Whole corpus documents and chat conversations, drawn with the seed,
 add real code at every position of the training window.
 
     python -m workbench.training.draft_data --regen runs/regen.jsonl,runs/regen2.jsonl \
@@ -33,9 +34,10 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
-def clean_records(records: list[dict], counts: Counter | None = None, source: str = "records") -> list[dict]:
+def clean_records(records: list[dict], counts: Counter | None = None, source: str = "records",
+                  keep_loops: bool = False) -> list[dict]:
     """Regenerated records ({"ids", "prompt_tokens", "kind", "temperature"}) -> {"ids"} rows: a looping
-    continuation is cut off at its prompt. `source` names them in errors (their file)."""
+    continuation is cut off at its prompt unless `keep_loops`. `source` names them in errors (their file)."""
     out = []
     for i, r in enumerate(records, 1):
         if not isinstance(r.get("ids"), list) or not isinstance(r.get("prompt_tokens"), int):
@@ -43,8 +45,9 @@ def clean_records(records: list[dict], counts: Counter | None = None, source: st
                              "`regenerate --corpus` writes them")
         loops = is_degenerate(r["ids"][r["prompt_tokens"]:])
         if counts is not None:
-            counts[f"{r.get('kind', '?')} T={r.get('temperature', '?')} {'prompt only' if loops else 'kept'}"] += 1
-        out.append({"ids": r["ids"][:r["prompt_tokens"]] if loops else r["ids"]})
+            label = ("loop kept" if keep_loops else "prompt only") if loops else "kept"
+            counts[f"{r.get('kind', '?')} T={r.get('temperature', '?')} {label}"] += 1
+        out.append({"ids": r["ids"][:r["prompt_tokens"]] if loops and not keep_loops else r["ids"]})
     return out
 
 
@@ -65,9 +68,9 @@ def corpus_sample(corpus: str | Path, docs: int, chats: int, seed: int = 0) -> l
 
 
 def draft_data(regen: list[str | Path], corpus: str | Path | None, docs: int, chats: int, seed: int = 0,
-               counts: Counter | None = None) -> list[dict]:
+               counts: Counter | None = None, keep_loops: bool = False) -> list[dict]:
     """The mixed rows, shuffled with the seed (the trainer draws windows from their concatenation)."""
-    rows = [row for path in regen for row in clean_records(read_jsonl(path), counts, str(path))]
+    rows = [row for path in regen for row in clean_records(read_jsonl(path), counts, str(path), keep_loops)]
     if corpus is not None:
         rows += corpus_sample(corpus, docs, chats, seed)
     random.Random(seed).shuffle(rows)
@@ -84,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, default=0)
     ap.add_argument("--chats", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loops", choices=("prompt", "keep"), default="prompt",
+                    help="a looping continuation: keep only its prompt (default), or keep it whole")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     counts: Counter = Counter()
-    rows = draft_data(a.regen.split(","), a.corpus, a.docs, a.chats, a.seed, counts)
+    rows = draft_data(a.regen.split(","), a.corpus, a.docs, a.chats, a.seed, counts, a.loops == "keep")
     with open(a.out, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
