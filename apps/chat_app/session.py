@@ -14,7 +14,7 @@ import workbench as wb
 from workbench.analysis.protocol import Arm, Measurements, measure
 
 MAX_UI_K = 8  # the slider's range; the engine itself allows up to wb.MAX_K
-MAX_NEW_TOKENS = 1024
+MAX_NEW_TOKENS = 2048  # the embedded verifier's context; a longer answer ends there (finish 'length')
 
 
 # ---- settings --------------------------------------------------------------------------------
